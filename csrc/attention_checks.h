@@ -1,0 +1,55 @@
+#pragma once
+// Argument validation and params filling for the attention ops, shared by the CPU and CUDA
+// backends so both reject the same inputs with the same messages. Every message names the
+// argument and shows the values.
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "mha_ext/attention_params.h"
+
+namespace mha_ext {
+
+// Largest head_dim (q/k) and head_dim_v (v) the kernels accept.
+constexpr int64_t kMaxHeadDim = 256;
+
+// "torch.float32", as a user writes the dtype.
+std::string dtype_name(at::ScalarType dtype);
+
+// fp32 for every input dtype except fp64, which accumulates in fp64: the dtype of the
+// logsumexp output and of the kernels' workspaces.
+at::ScalarType accumulate_dtype(at::ScalarType dtype);
+
+// Strides of dims 0..2 of a 4-D tensor whose last dim is contiguous.
+RowStrides row_strides(const at::Tensor& t);
+
+// Validates q, k, v, the mask and the dropout/window settings of one attention call and
+// fills everything in the params except out/lse pointers and the dropout seed, which the
+// backend reads from dropout_seed in the way its device allows.
+AttentionForwardParams make_attention_params(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const std::optional<at::Tensor>& attn_mask,
+                                             const std::optional<at::Tensor>& dropout_seed,
+                                             double dropout_p, double scale,
+                                             int64_t window_left, int64_t window_right,
+                                             bool bottom_right);
+
+// The attention output for q, [batch, heads, seq_q, head_dim_v], in q's memory order:
+// (B, S, H, D) storage when q is a transposed (B, S, H, D) view, else (B, H, S, D). The
+// register_fake in mha_ext/ops.py mirrors this rule.
+at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v);
+
+// Checks the tensors only the backward takes against the forward's params.
+void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,
+                         const at::Tensor& out, const at::Tensor& lse,
+                         const std::optional<at::Tensor>& grad_lse, const at::Tensor& q);
+
+// Validates dropout_mask's arguments (the same seed/probability rules as attention).
+void check_dropout_mask_args(const at::Tensor& dropout_seed, int64_t batch, int64_t num_heads,
+                             int64_t seq_q, int64_t seq_k, double dropout_p);
+
+// The dropout part of the params, without the seed.
+DropoutParams make_dropout_params(double dropout_p);
+
+}  // namespace mha_ext

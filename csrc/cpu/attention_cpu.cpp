@@ -1,0 +1,131 @@
+// CPU backend of the attention ops: validate -> fill params -> run the kernel build that
+// suits this CPU (cpu/isa.h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "attention_checks.h"
+#include "cpu/isa.h"
+#include "cpu/kernels/attention_kernels.h"
+#include "mha_ext/philox.h"
+
+namespace mha_ext::cpu {
+namespace {
+
+void run_forward(const AttentionForwardParams& params) {
+  switch (active_cpu_isa()) {
+#if defined(__x86_64__)
+    case CpuIsa::kAvx512: return AVX512::attention_forward(params);
+    case CpuIsa::kAvx2: return AVX2::attention_forward(params);
+#endif
+    default: return DEFAULT::attention_forward(params);
+  }
+}
+
+void run_backward(const AttentionBackwardParams& params) {
+  switch (active_cpu_isa()) {
+#if defined(__x86_64__)
+    case CpuIsa::kAvx512: return AVX512::attention_backward(params);
+    case CpuIsa::kAvx2: return AVX2::attention_backward(params);
+#endif
+    default: return DEFAULT::attention_backward(params);
+  }
+}
+
+uint64_t read_seed(const std::optional<at::Tensor>& dropout_seed) {
+  return dropout_seed.has_value() ? static_cast<uint64_t>(dropout_seed->item<int64_t>()) : 0;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
+    double dropout_p, double scale, int64_t window_left, int64_t window_right,
+    bool bottom_right) {
+  AttentionForwardParams params = make_attention_params(
+      q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
+  at::Tensor out = empty_attention_output(q, params.head_dim_v);
+  at::Tensor lse = at::empty({params.batch, params.num_heads, params.seq_q},
+                             q.options().dtype(accumulate_dtype(q.scalar_type())));
+  params.out = out.data_ptr();
+  params.out_strides = row_strides(out);
+  params.lse = lse.data_ptr();
+  params.dropout.seed = read_seed(dropout_seed);
+  run_forward(params);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
+    double dropout_p, double scale, int64_t window_left, int64_t window_right,
+    bool bottom_right) {
+  AttentionBackwardParams params;
+  static_cast<AttentionForwardParams&>(params) = make_attention_params(
+      q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
+  check_backward_args(params, grad_out, out, lse, grad_lse, q);
+  // The kernels index the logsumexp rows directly; they are O(seq) so a copy is cheap.
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> grad_lse_rows =
+      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
+
+  at::Tensor grad_q = at::empty_like(q);
+  at::Tensor grad_k = at::empty_like(k);
+  at::Tensor grad_v = at::empty_like(v);
+  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
+  // Split the key range across threads only when batch x kv_heads leaves threads idle:
+  // each split then sums its own dQ partials, added up at the end.
+  const int64_t kv_tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
+  const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
+  const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
+  at::Tensor grad_q_accum = at::zeros(
+      {splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
+      q.options().dtype(acc_dtype));
+  at::Tensor delta = at::empty({params.batch, params.num_heads, params.seq_q},
+                               q.options().dtype(acc_dtype));
+
+  params.out = const_cast<void*>(out.data_ptr());
+  params.out_strides = row_strides(out);
+  params.lse = const_cast<void*>(lse_rows.data_ptr());
+  params.dropout.seed = read_seed(dropout_seed);
+  params.grad_out = grad_out.data_ptr();
+  params.grad_out_strides = row_strides(grad_out);
+  params.grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr() : nullptr;
+  params.grad_q = grad_q.data_ptr();
+  params.grad_k = grad_k.data_ptr();
+  params.grad_v = grad_v.data_ptr();
+  params.grad_q_strides = row_strides(grad_q);
+  params.grad_k_strides = row_strides(grad_k);
+  params.grad_v_strides = row_strides(grad_v);
+  params.grad_q_accum = grad_q_accum.data_ptr();
+  params.num_kv_splits = splits;
+  params.delta = delta.data_ptr();
+  run_backward(params);
+  return {grad_q, grad_k, grad_v};
+}
+
+at::Tensor dropout_mask_cpu(const at::Tensor& dropout_seed, int64_t batch, int64_t num_heads,
+                            int64_t seq_q, int64_t seq_k, double dropout_p) {
+  check_dropout_mask_args(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p);
+  at::Tensor mask = at::empty({batch, num_heads, seq_q, seq_k}, dropout_seed.options().dtype(at::kBool));
+  DropoutParams dropout = make_dropout_params(dropout_p);
+  dropout.seed = static_cast<uint64_t>(dropout_seed.item<int64_t>());
+  bool* keep = mask.data_ptr<bool>();
+  at::parallel_for(0, batch * num_heads * seq_q, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (num_heads * seq_q), h = row / seq_q % num_heads, i = row % seq_q;
+      for (int64_t j = 0; j < seq_k; ++j) keep[row * seq_k + j] = dropout_keeps(dropout, b, h, i, j);
+    }
+  });
+  return mask;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mha_ext, CPU, m) {
+  m.impl("attention_forward", &attention_forward_cpu);
+  m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("dropout_mask", &dropout_mask_cpu);
+}
+
+}  // namespace mha_ext::cpu

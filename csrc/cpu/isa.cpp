@@ -1,0 +1,79 @@
+#include "cpu/isa.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace mha_ext::cpu {
+namespace {
+
+bool cpu_supports(CpuIsa isa) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case CpuIsa::kGeneric: return true;
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("bmi2");
+    case CpuIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("bmi2");
+  }
+  return false;
+#else
+  return isa == CpuIsa::kGeneric;
+#endif
+}
+
+CpuIsa choose_cpu_isa() {
+  const std::vector<CpuIsa> compiled = compiled_cpu_isas();
+  const char* forced = std::getenv("MHA_EXT_CPU_ISA");
+  if (forced == nullptr || *forced == '\0') {
+    CpuIsa best = CpuIsa::kGeneric;
+    for (CpuIsa isa : compiled) {
+      if (cpu_supports(isa)) best = isa;
+    }
+    return best;
+  }
+  std::string known;
+  for (CpuIsa isa : compiled) {
+    if (std::string(forced) != cpu_isa_name(isa)) {
+      known += known.empty() ? "" : ", ";
+      known += cpu_isa_name(isa);
+      continue;
+    }
+    if (!cpu_supports(isa)) {
+      throw std::runtime_error(std::string("mha_ext: MHA_EXT_CPU_ISA=") + forced +
+                               " but this CPU does not support " + forced);
+    }
+    return isa;
+  }
+  throw std::runtime_error(std::string("mha_ext: MHA_EXT_CPU_ISA=") + forced +
+                           " is not one of the compiled ISAs (" + known + ")");
+}
+
+}  // namespace
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kGeneric: return "generic";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::vector<CpuIsa> compiled_cpu_isas() {
+#if defined(__x86_64__)
+  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512};
+#else
+  return {CpuIsa::kGeneric};
+#endif
+}
+
+CpuIsa active_cpu_isa() {
+  static const CpuIsa isa = choose_cpu_isa();
+  return isa;
+}
+
+}  // namespace mha_ext::cpu

@@ -1,0 +1,435 @@
+#pragma once
+// FlashAttention-2 style attention on the CPU, forward and backward.
+//
+// Forward: one task per (batch, head, 64-row query block). Key/value blocks of 64 rows
+// stream past the query block; scores live only in a 64 x 64 tile, an online softmax keeps
+// the running row max and row sum, and the output accumulates in fp32 (fp64 for double).
+// The logsumexp of each row is saved for the backward.
+//
+// Backward: one task per (batch, kv head, split of the key range). For each key block the
+// task walks every query head of the GQA group and every query block that sees the keys,
+// recomputes P from the saved logsumexp, and sums dK and dV in local tiles, so a group's
+// gradients are reduced inside the kernel without expanded K/V. dQ goes to a per-split fp32
+// workspace that a last pass sums; splits only exist when batch x kv heads is smaller than
+// the thread count.
+//
+// Included by one translation unit per CPU ISA after it defines CPU_CAPABILITY.
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "mha_ext/attention_params.h"
+#include "mha_ext/key_window.h"
+#include "mha_ext/philox.h"
+#include "blocking.h"
+#include "tile_gemm.h"
+
+namespace mha_ext::cpu {
+inline namespace CPU_CAPABILITY {
+
+template <typename scalar_t>
+struct AccumulateType {
+  using type = float;
+};
+template <>
+struct AccumulateType<double> {
+  using type = double;
+};
+
+constexpr int64_t kBlockQ = kQueryBlock;
+constexpr int64_t kBlockK = kKeyBlock;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Per-thread scratch that outlives calls: memory touched for the first time is slow on
+// these machines, so each thread keeps its buffer and only ever grows it.
+template <typename T>
+T* thread_scratch(int64_t elements) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
+  return buffer.data();
+}
+
+// dst[r * ld + c] = src[r * src_stride + c] for r < rows, c < cols, converted to acc_t.
+template <typename scalar_t, typename acc_t>
+void load_rows(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols, acc_t* dst,
+               int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* in = src + r * src_stride;
+    acc_t* out = dst + r * ld;
+    for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]);
+  }
+}
+
+// dst[c * ld + r] = src[r * src_stride + c]: a K or V block laid out as K^T / V^T.
+template <typename scalar_t, typename acc_t>
+void load_rows_transposed(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols,
+                          acc_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* in = src + r * src_stride;
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<acc_t>(in[c]);
+  }
+}
+
+template <typename acc_t>
+void transpose_tile(const acc_t* src, int64_t src_ld, int64_t rows, int64_t cols, acc_t* dst,
+                    int64_t dst_ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
+  }
+}
+
+// dst[c] = src[c] * factor, converted to the output type.
+template <typename scalar_t, typename acc_t>
+void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
+  for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<scalar_t>(src[c] * factor);
+}
+
+// Turns one row of raw dot products q.k for keys [key0, key0 + cols) into scores:
+// scaled, plus an additive mask, and -inf wherever the window or a boolean mask hides the
+// key. The forward and the backward both call this, so they see the same scores.
+template <typename scalar_t, typename acc_t>
+void scale_and_mask_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, int64_t batch,
+                        int64_t head, int64_t row, int64_t key0) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const KeyRange visible = visible_keys(p.window, row, p.seq_k);
+  const int64_t begin = std::clamp<int64_t>(visible.begin - key0, 0, cols);
+  const int64_t end = std::clamp<int64_t>(visible.end - key0, begin, cols);
+  std::fill(s, s + begin, kMinusInf);
+  std::fill(s + end, s + cols, kMinusInf);
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  at::vec::map([scale](Vec x) { return x * Vec(scale); }, s + begin, s + begin, end - begin);
+
+  const AttnMaskParams& mask = p.mask;
+  if (mask.kind == MaskKind::kNone) return;
+  const int64_t offset = batch * mask.batch_stride + head * mask.head_stride +
+                         row * mask.row_stride + key0 * mask.col_stride;
+  if (mask.kind == MaskKind::kBool) {
+    const bool* keep = static_cast<const bool*>(mask.data) + offset;
+    for (int64_t c = begin; c < end; ++c) {
+      if (!keep[c * mask.col_stride]) s[c] = kMinusInf;
+    }
+  } else {
+    const scalar_t* bias = static_cast<const scalar_t*>(mask.data) + offset;
+    for (int64_t c = begin; c < end; ++c) s[c] += static_cast<acc_t>(bias[c * mask.col_stride]);
+  }
+}
+
+// Multiplies kept entries of one probability row by 1 / (1 - p) and zeroes dropped ones.
+template <typename acc_t>
+void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dropout,
+                       int64_t batch, int64_t head, int64_t row, int64_t key0) {
+  const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale);
+  int64_t c = 0;
+  while (c < cols) {
+    const int64_t col = key0 + c;
+    const Philox4x32 bits = dropout_bits(dropout.seed, batch, head, row, col);
+    for (int64_t lane = col & 3; lane < 4 && c < cols; ++lane, ++c) {
+      row_values[c] = dropout_word_kept(dropout, bits.word[lane]) ? row_values[c] * keep_scale
+                                                                  : acc_t(0);
+    }
+  }
+}
+
+template <typename scalar_t>
+void attention_forward_kernel(const AttentionForwardParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ);
+  // Row strides of the fp32 tiles, padded to whole vectors.
+  const int64_t ld_d = round_up(p.head_dim, Vec::size());
+  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
+  const int64_t scratch_size = kBlockQ * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
+                               kBlockQ * kBlockK + kBlockQ * ld_dv + 2 * kBlockQ;
+
+  at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
+    acc_t* kt_tile = q_tile + kBlockQ * ld_d;              // [head_dim, kBlockK]
+    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;        // [kBlockK, ld_dv]
+    acc_t* s_tile = v_tile + kBlockK * ld_dv;              // [kBlockQ, kBlockK]
+    acc_t* o_tile = s_tile + kBlockQ * kBlockK;            // [kBlockQ, ld_dv]
+    acc_t* row_max = o_tile + kBlockQ * ld_dv;             // [kBlockQ]
+    acc_t* row_sum = row_max + kBlockQ;                    // [kBlockQ]
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (p.num_heads * q_blocks);
+      const int64_t head = task / q_blocks % p.num_heads;
+      const int64_t row0 = task % q_blocks * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, p.seq_q - row0);
+      const int64_t kv_head = head / group;
+      const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                          head * p.q_strides.head + row0 * p.q_strides.row;
+      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
+                          kv_head * p.k_strides.head;
+      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
+                          kv_head * p.v_strides.head;
+
+      load_rows(q, p.q_strides.row, rows, p.head_dim, q_tile, ld_d);
+      std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
+      std::fill(row_max, row_max + rows, kMinusInf);
+      std::fill(row_sum, row_sum + rows, acc_t(0));
+
+      // Both window bounds grow with the row: the block's keys run from the first row's
+      // begin to the last row's end.
+      const int64_t key_begin = visible_keys(p.window, row0, p.seq_k).begin / kBlockK * kBlockK;
+      const int64_t key_end = visible_keys(p.window, row0 + rows - 1, p.seq_k).end;
+      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, p.seq_k - key0);
+        load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
+                             kt_tile, kBlockK);
+        load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
+        // S = Q K^T   [rows, cols]
+        tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+
+        for (int64_t r = 0; r < rows; ++r) {
+          acc_t* s = s_tile + r * kBlockK;
+          scale_and_mask_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+          const acc_t tile_max = at::vec::reduce_all<acc_t>(
+              [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, cols);
+          const acc_t new_max = std::max(row_max[r], tile_max);
+          if (new_max == kMinusInf) {  // nothing visible yet: this tile adds nothing
+            std::fill(s, s + cols, acc_t(0));
+            continue;
+          }
+          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp_u20(); }, s, s, cols);
+          const acc_t tile_sum = at::vec::reduce_all<acc_t>(
+              [](Vec& a, Vec& b) { return a + b; }, s, cols);
+          // exp(-inf) = 0 rescales an empty accumulator on the first visible tile.
+          const acc_t rescale = std::exp(row_max[r] - new_max);
+          row_sum[r] = row_sum[r] * rescale + tile_sum;
+          row_max[r] = new_max;
+          if (rescale != acc_t(1)) {
+            acc_t* o = o_tile + r * ld_dv;
+            at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o, o, p.head_dim_v);
+          }
+          // Dropout acts on the normalised probabilities, after their sum was taken.
+          if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+        }
+        // O += P V   [rows, head_dim_v]
+        tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+      }
+
+      scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
+                      head * p.out_strides.head + row0 * p.out_strides.row;
+      acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
+      for (int64_t r = 0; r < rows; ++r) {
+        // A row that saw no key has sum 0: output 0 and logsumexp -inf, never NaN.
+        const bool empty = row_sum[r] == acc_t(0);
+        store_row(o_tile + r * ld_dv, p.head_dim_v, empty ? acc_t(0) : acc_t(1) / row_sum[r],
+                  out + r * p.out_strides.row);
+        lse[r] = empty ? kMinusInf : row_max[r] + std::log(row_sum[r]);
+      }
+    }
+  });
+}
+
+// delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] - dlse[b, h, i]: the row term of
+// dS = P * (dP - delta), including the gradient that reaches the logsumexp output.
+template <typename scalar_t, typename acc_t>
+void compute_delta(const AttentionBackwardParams& p) {
+  at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
+      const scalar_t* out = static_cast<const scalar_t*>(p.out) + batch * p.out_strides.batch +
+                            head * p.out_strides.head;
+      const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) +
+                                 batch * p.grad_out_strides.batch + head * p.grad_out_strides.head;
+      acc_t* delta = static_cast<acc_t*>(p.delta) + bh * p.seq_q;
+      const acc_t* grad_lse = p.grad_lse ? static_cast<const acc_t*>(p.grad_lse) + bh * p.seq_q
+                                         : nullptr;
+      for (int64_t i = 0; i < p.seq_q; ++i) {
+        const scalar_t* o_row = out + i * p.out_strides.row;
+        const scalar_t* do_row = grad_out + i * p.grad_out_strides.row;
+        acc_t dot = 0;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) {
+          dot += static_cast<acc_t>(o_row[d]) * static_cast<acc_t>(do_row[d]);
+        }
+        delta[i] = grad_lse ? dot - grad_lse[i] : dot;
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void attention_backward_kernel(const AttentionBackwardParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  compute_delta<scalar_t, acc_t>(p);
+
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t key_blocks = ceil_div(p.seq_k, kBlockK);
+  const int64_t splits = p.num_kv_splits;
+  const int64_t ld_d = round_up(p.head_dim, Vec::size());
+  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
+  const int64_t tile = kBlockQ * kBlockK;
+  const int64_t scratch_size = kBlockQ * ld_d + kBlockQ * ld_dv + kBlockK * ld_d +
+                               p.head_dim * kBlockK + p.head_dim_v * kBlockK + 4 * tile +
+                               kBlockK * ld_d + kBlockK * ld_dv;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
+
+  at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
+    acc_t* do_tile = q_tile + kBlockQ * ld_d;              // [kBlockQ, ld_dv]
+    acc_t* k_tile = do_tile + kBlockQ * ld_dv;             // [kBlockK, ld_d]
+    acc_t* kt_tile = k_tile + kBlockK * ld_d;              // [head_dim, kBlockK]
+    acc_t* vt_tile = kt_tile + p.head_dim * kBlockK;       // [head_dim_v, kBlockK]
+    acc_t* p_tile = vt_tile + p.head_dim_v * kBlockK;      // [kBlockQ, kBlockK] P
+    acc_t* pd_tile = p_tile + tile;                        // [kBlockQ, kBlockK] P after dropout
+    acc_t* ds_tile = pd_tile + tile;                       // [kBlockQ, kBlockK] dP, then dS
+    acc_t* t_tile = ds_tile + tile;                        // [kBlockK, kBlockQ] a transpose
+    acc_t* dk_tile = t_tile + tile;                        // [kBlockK, ld_d]
+    acc_t* dv_tile = dk_tile + kBlockK * ld_d;             // [kBlockK, ld_dv]
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (p.num_kv_heads * splits);
+      const int64_t kv_head = task / splits % p.num_kv_heads;
+      const int64_t split = task % splits;
+      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
+                          kv_head * p.k_strides.head;
+      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
+                          kv_head * p.v_strides.head;
+      scalar_t* grad_k = static_cast<scalar_t*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                         kv_head * p.grad_k_strides.head;
+      scalar_t* grad_v = static_cast<scalar_t*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                         kv_head * p.grad_v_strides.head;
+
+      for (int64_t block = split * key_blocks / splits; block < (split + 1) * key_blocks / splits;
+           ++block) {
+        const int64_t key0 = block * kBlockK;
+        const int64_t cols = std::min(kBlockK, p.seq_k - key0);
+        load_rows(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
+        transpose_tile(k_tile, ld_d, cols, p.head_dim, kt_tile, kBlockK);
+        load_rows_transposed(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v,
+                             vt_tile, kBlockK);
+        std::fill(dk_tile, dk_tile + cols * ld_d, acc_t(0));
+        std::fill(dv_tile, dv_tile + cols * ld_dv, acc_t(0));
+        const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
+
+        for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+          const int64_t bh = batch * p.num_heads + head;
+          const acc_t* lse = static_cast<const acc_t*>(p.lse) + bh * p.seq_q;
+          const acc_t* delta = static_cast<const acc_t*>(p.delta) + bh * p.seq_q;
+          acc_t* grad_q_accum = static_cast<acc_t*>(p.grad_q_accum) +
+                                split * accum_split_stride + bh * p.seq_q * p.head_dim;
+          for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, seeing.end - row0);
+            load_rows(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                          head * p.q_strides.head + row0 * p.q_strides.row,
+                      p.q_strides.row, rows, p.head_dim, q_tile, ld_d);
+            load_rows(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                          head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
+                      p.grad_out_strides.row, rows, p.head_dim_v, do_tile, ld_dv);
+
+            // P = exp(S - lse), recomputed from the saved logsumexp   [rows, cols]
+            tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, p_tile,
+                             kBlockK);
+            for (int64_t r = 0; r < rows; ++r) {
+              acc_t* s = p_tile + r * kBlockK;
+              const acc_t row_lse = lse[row0 + r];
+              if (row_lse == kMinusInf) {  // a fully masked row has P = 0
+                std::fill(s, s + cols, acc_t(0));
+                continue;
+              }
+              scale_and_mask_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+              at::vec::map([row_lse](Vec x) { return (x - Vec(row_lse)).exp_u20(); }, s, s, cols);
+            }
+            const acc_t* pd = p_tile;
+            if (p.dropout.enabled) {
+              std::copy(p_tile, p_tile + rows * kBlockK, pd_tile);
+              for (int64_t r = 0; r < rows; ++r) {
+                apply_dropout_row(pd_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r,
+                                  key0);
+              }
+              pd = pd_tile;
+            }
+            // dV += P_dropped^T dO   [cols, head_dim_v]
+            transpose_tile(pd, kBlockK, rows, cols, t_tile, kBlockQ);
+            tile_gemm<true>(cols, p.head_dim_v, rows, t_tile, kBlockQ, do_tile, ld_dv, dv_tile,
+                            ld_dv);
+            // dP = dO V^T   [rows, cols]
+            tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kBlockK, ds_tile,
+                             kBlockK);
+            // dS = P * (dP * dropout - delta)
+            for (int64_t r = 0; r < rows; ++r) {
+              acc_t* ds = ds_tile + r * kBlockK;
+              if (p.dropout.enabled) {
+                apply_dropout_row(ds, cols, p.dropout, batch, head, row0 + r, key0);
+              }
+              const acc_t row_delta = delta[row0 + r];
+              at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); },
+                            ds, p_tile + r * kBlockK, ds, cols);
+            }
+            // dK += dS^T Q   [cols, head_dim]  (scaled on store)
+            transpose_tile(ds_tile, kBlockK, rows, cols, t_tile, kBlockQ);
+            tile_gemm<true>(cols, p.head_dim, rows, t_tile, kBlockQ, q_tile, ld_d, dk_tile, ld_d);
+            // dQ += dS K   [rows, head_dim]  (scaled when the splits are summed)
+            tile_gemm<true>(rows, p.head_dim, cols, ds_tile, kBlockK, k_tile, ld_d,
+                            grad_q_accum + row0 * p.head_dim, p.head_dim);
+          }
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          store_row(dk_tile + c * ld_d, p.head_dim, scale,
+                    grad_k + (key0 + c) * p.grad_k_strides.row);
+          store_row(dv_tile + c * ld_dv, p.head_dim_v, acc_t(1),
+                    grad_v + (key0 + c) * p.grad_v_strides.row);
+        }
+      }
+    }
+  });
+
+  // dQ = scale * (sum over splits of the partial sums)
+  at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
+      scalar_t* grad_q = static_cast<scalar_t*>(p.grad_q) + batch * p.grad_q_strides.batch +
+                         head * p.grad_q_strides.head;
+      acc_t* accum = static_cast<acc_t*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
+      for (int64_t i = 0; i < p.seq_q; ++i) {
+        acc_t* row = accum + i * p.head_dim;
+        for (int64_t split = 1; split < splits; ++split) {
+          const acc_t* partial = row + split * accum_split_stride;
+          at::vec::map2([](Vec a, Vec b) { return a + b; }, row, row, partial, p.head_dim);
+        }
+        store_row(row, p.head_dim, scale, grad_q + i * p.grad_q_strides.row);
+      }
+    }
+  });
+}
+
+template <typename Kernel>
+void dispatch_dtype(DType dtype, Kernel&& kernel) {
+  switch (dtype) {
+    case DType::kFloat32: return kernel(float{});
+    case DType::kFloat64: return kernel(double{});
+    case DType::kBFloat16: return kernel(c10::BFloat16{});
+    case DType::kFloat16: return kernel(c10::Half{});
+  }
+  throw std::invalid_argument("mha_ext: attention kernel called with an unknown dtype");
+}
+
+// The ISA's entry points, declared for the dispatcher in attention_kernels.h.
+void attention_forward(const AttentionForwardParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { attention_forward_kernel<decltype(tag)>(params); });
+}
+
+void attention_backward(const AttentionBackwardParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { attention_backward_kernel<decltype(tag)>(params); });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mha_ext::cpu

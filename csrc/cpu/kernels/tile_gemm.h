@@ -1,0 +1,98 @@
+#pragma once
+// Register-blocked GEMM on small row-major tiles held in per-thread scratch, the one
+// matrix primitive of the CPU attention kernels: every product of the forward
+// (S = Q K^T, O += P V) and the backward (dP = dO V^T, dV += P^T dO, dK += dS^T Q,
+// dQ += dS K) is C = A B on tiles whose transposes, where needed, were laid out on load.
+//
+// Included by an ISA translation unit after it defines CPU_CAPABILITY, so the code below
+// is compiled once per ISA, in that ISA's namespace.
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+
+namespace mha_ext::cpu {
+inline namespace CPU_CAPABILITY {
+
+// C[kRows, kCols vectors] (+)= A[kRows, depth] B[depth, kCols vectors]. With kRagged the
+// last vector column holds only `last_width` valid lanes (the right edge of C); without it
+// every load and store is a full vector.
+template <int kRows, int kCols, bool kAccumulate, bool kRagged, typename T>
+inline void gemm_micro_kernel(int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb,
+                              T* c, int64_t ldc, int last_width) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int kWidth = Vec::size();
+  auto width = [&](int col) { return kRagged && col == kCols - 1 ? last_width : kWidth; };
+  Vec acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r) {
+    for (int col = 0; col < kCols; ++col) {
+      acc[r][col] = kAccumulate ? Vec::loadu(c + r * ldc + col * kWidth, width(col)) : Vec(T(0));
+    }
+  }
+  for (int64_t p = 0; p < depth; ++p) {
+    Vec b_row[kCols];
+    for (int col = 0; col < kCols; ++col) {
+      b_row[col] = Vec::loadu(b + p * ldb + col * kWidth, width(col));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const Vec a_value(a[r * lda + p]);
+      for (int col = 0; col < kCols; ++col) {
+        acc[r][col] = at::vec::fmadd(a_value, b_row[col], acc[r][col]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int col = 0; col < kCols; ++col) {
+      acc[r][col].store(c + r * ldc + col * kWidth, width(col));
+    }
+  }
+}
+
+// 4 x 4-vector blocks: 16 accumulators + 4 B vectors + 1 broadcast stay within the 32
+// AVX-512 registers, and each B load feeds 4 FMAs.
+constexpr int kBlockRows = 4;
+constexpr int kBlockCols = 4;
+
+// One vector column of C for all m rows: the right edge that 4-vector blocks leave over.
+template <bool kAccumulate, bool kRagged, typename T>
+void gemm_column(int64_t m, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb,
+                 T* c, int64_t ldc, int width) {
+  int64_t row = 0;
+  for (; row + kBlockRows <= m; row += kBlockRows) {
+    gemm_micro_kernel<kBlockRows, 1, kAccumulate, kRagged>(depth, a + row * lda, lda, b, ldb,
+                                                           c + row * ldc, ldc, width);
+  }
+  for (; row < m; ++row) {
+    gemm_micro_kernel<1, 1, kAccumulate, kRagged>(depth, a + row * lda, lda, b, ldb,
+                                                  c + row * ldc, ldc, width);
+  }
+}
+
+// C[m, n] = A[m, depth] B[depth, n], or C += A B when kAccumulate. Any m, n, depth.
+template <bool kAccumulate, typename T>
+void tile_gemm(int64_t m, int64_t n, int64_t depth, const T* a, int64_t lda, const T* b,
+               int64_t ldb, T* c, int64_t ldc) {
+  constexpr int kWidth = at::vec::Vectorized<T>::size();
+  int64_t col = 0;
+  for (; col + kBlockCols * kWidth <= n; col += kBlockCols * kWidth) {
+    int64_t row = 0;
+    for (; row + kBlockRows <= m; row += kBlockRows) {
+      gemm_micro_kernel<kBlockRows, kBlockCols, kAccumulate, false>(
+          depth, a + row * lda, lda, b + col, ldb, c + row * ldc + col, ldc, kWidth);
+    }
+    for (; row < m; ++row) {
+      gemm_micro_kernel<1, kBlockCols, kAccumulate, false>(
+          depth, a + row * lda, lda, b + col, ldb, c + row * ldc + col, ldc, kWidth);
+    }
+  }
+  for (; col < n; col += kWidth) {
+    const int width = static_cast<int>(n - col < kWidth ? n - col : kWidth);
+    if (width == kWidth) {
+      gemm_column<kAccumulate, false>(m, depth, a, lda, b + col, ldb, c + col, ldc, width);
+    } else {
+      gemm_column<kAccumulate, true>(m, depth, a, lda, b + col, ldb, c + col, ldc, width);
+    }
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mha_ext::cpu

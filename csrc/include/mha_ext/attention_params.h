@@ -1,0 +1,99 @@
+#pragma once
+// Plain parameter structs for the attention kernels: pointers, int64 sizes and strides.
+// No torch types, so the same struct feeds the CPU kernels, the CUDA kernels and the
+// C++ benchmarks. Filled in one place per op (csrc/attention_checks.cpp).
+#include <cstdint>
+
+namespace mha_ext {
+
+// Element type of q, k, v and out. Accumulation is fp32, or fp64 for kFloat64.
+enum class DType : int32_t { kFloat32, kFloat64, kBFloat16, kFloat16 };
+
+// How attn_mask enters the scores: kBool keeps a key where the mask is true (torch SDPA's
+// convention); kAdditive adds the mask value to the scaled score.
+enum class MaskKind : int32_t { kNone, kBool, kAdditive };
+
+// Strides of a [batch, heads, seq, dim] tensor whose last dim is contiguous.
+struct RowStrides {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t row = 0;
+};
+
+// Which keys a query row sees. Key j is visible to query i when
+//   i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right,
+// a negative window side meaning "unbounded". Causal attention is window_right = 0;
+// diagonal_offset is 0 for top-left alignment (torch SDPA's is_causal) and seq_k - seq_q
+// for bottom-right alignment (FlashAttention's, queries are the last keys).
+struct KeyWindow {
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  int64_t diagonal_offset = 0;
+};
+
+struct AttnMaskParams {
+  MaskKind kind = MaskKind::kNone;
+  // [batch, num_heads, seq_q, seq_k] read through strides; broadcast dims have stride 0.
+  // Element type: bool for kBool, the q dtype for kAdditive.
+  const void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct DropoutParams {
+  // A random 32-bit draw r drops an element when r < drop_threshold, so the keep
+  // probability is 1 - drop_threshold / 2^32 (see philox.h).
+  uint32_t drop_threshold = 0;
+  double keep_scale = 1.0;  // 1 / (1 - dropout_p), applied to kept probabilities
+  uint64_t seed = 0;
+  bool enabled = false;
+};
+
+struct AttentionForwardParams {
+  DType dtype = DType::kFloat32;
+  const void* q = nullptr;  // [batch, num_heads, seq_q, head_dim]
+  const void* k = nullptr;  // [batch, num_kv_heads, seq_k, head_dim]
+  const void* v = nullptr;  // [batch, num_kv_heads, seq_k, head_dim_v]
+  void* out = nullptr;      // [batch, num_heads, seq_q, head_dim_v]
+  // [batch, num_heads, seq_q] contiguous natural-log logsumexp of the scaled, masked
+  // scores; float, or double for kFloat64. -inf for a row that sees no key.
+  void* lse = nullptr;
+
+  int64_t batch = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // divides num_heads; query head h reads kv head h / group
+  int64_t seq_q = 0;
+  int64_t seq_k = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+
+  RowStrides q_strides, k_strides, v_strides, out_strides;
+
+  double scale = 1.0;
+  KeyWindow window;
+  AttnMaskParams mask;
+  DropoutParams dropout;
+};
+
+// FlashAttention-2 style backward: out and lse are inputs here, saved by the forward.
+struct AttentionBackwardParams : AttentionForwardParams {
+  const void* grad_out = nullptr;  // [batch, num_heads, seq_q, head_dim_v]
+  // [batch, num_heads, seq_q] contiguous, lse's type; nullptr when lse gets no gradient.
+  const void* grad_lse = nullptr;
+  void* grad_q = nullptr;  // [batch, num_heads, seq_q, head_dim]
+  void* grad_k = nullptr;  // [batch, num_kv_heads, seq_k, head_dim]
+  void* grad_v = nullptr;  // [batch, num_kv_heads, seq_k, head_dim_v]
+  RowStrides grad_out_strides, grad_q_strides, grad_k_strides, grad_v_strides;
+
+  // Workspaces in the accumulation type, owned by the caller.
+  // grad_q partial sums [num_kv_splits, batch, num_heads, seq_q, head_dim] contiguous and
+  // zero-filled: one slice per split of the key range, so splits never share a row.
+  void* grad_q_accum = nullptr;
+  int64_t num_kv_splits = 1;
+  // rowsum(grad_out * out) - grad_lse, written by the kernel: [batch, num_heads, seq_q].
+  void* delta = nullptr;
+};
+
+}  // namespace mha_ext

@@ -1,0 +1,85 @@
+// The Python module mha_ext._C. Importing it loads this library, whose static
+// TORCH_LIBRARY blocks register the ops; the module itself only reports what was built.
+#include <Python.h>
+
+#include <exception>
+#include <string>
+
+#include "cpu/isa.h"
+
+#if defined(MHA_EXT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+#define MHA_EXT_STRINGIFY_(...) #__VA_ARGS__
+#define MHA_EXT_STRINGIFY(...) MHA_EXT_STRINGIFY_(__VA_ARGS__)
+
+namespace {
+
+// Adds key -> value to dict, dropping the reference to value; false on a Python error.
+bool set_item(PyObject* dict, const char* key, PyObject* value) {
+  if (value == nullptr) return false;
+  const int status = PyDict_SetItemString(dict, key, value);
+  Py_DECREF(value);
+  return status == 0;
+}
+
+// "8.0,9.0" -> ["8.0", "9.0"]
+PyObject* split_list(const std::string& items) {
+  PyObject* list = PyList_New(0);
+  size_t start = 0;
+  while (list != nullptr && start < items.size()) {
+    size_t end = items.find(',', start);
+    if (end == std::string::npos) end = items.size();
+    PyObject* item = PyUnicode_FromString(items.substr(start, end - start).c_str());
+    if (item == nullptr || PyList_Append(list, item) != 0) Py_CLEAR(list);
+    Py_XDECREF(item);
+    start = end + 1;
+  }
+  return list;
+}
+
+PyObject* build_info(PyObject*, PyObject*) {
+  const char* active_isa = nullptr;
+  try {
+    active_isa = mha_ext::cpu::cpu_isa_name(mha_ext::cpu::active_cpu_isa());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  PyObject* isas = PyList_New(0);
+  for (mha_ext::cpu::CpuIsa isa : mha_ext::cpu::compiled_cpu_isas()) {
+    PyObject* name = PyUnicode_FromString(mha_ext::cpu::cpu_isa_name(isa));
+    if (isas == nullptr || name == nullptr || PyList_Append(isas, name) != 0) Py_CLEAR(isas);
+    Py_XDECREF(name);
+  }
+  PyObject* info = PyDict_New();
+  bool ok = info != nullptr &&
+            set_item(info, "torch_version", PyUnicode_FromString(MHA_EXT_STRINGIFY(MHA_EXT_TORCH_VERSION))) &&
+            set_item(info, "cpu_isas", isas) &&
+            set_item(info, "cpu_isa", PyUnicode_FromString(active_isa));
+#if defined(MHA_EXT_WITH_CUDA)
+  const std::string cuda_version = std::to_string(CUDART_VERSION / 1000) + "." +
+                                   std::to_string(CUDART_VERSION % 1000 / 10);
+  ok = ok && set_item(info, "cuda_version", PyUnicode_FromString(cuda_version.c_str())) &&
+       set_item(info, "cuda_archs", split_list(MHA_EXT_STRINGIFY(MHA_EXT_CUDA_ARCHS)));
+#else
+  ok = ok && set_item(info, "cuda_version", Py_NewRef(Py_None)) &&
+       set_item(info, "cuda_archs", PyList_New(0));
+#endif
+  if (!ok) Py_CLEAR(info);
+  return info;
+}
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS,
+     "What this build of mha_ext compiled: torch version, CPU ISA variants (and the active "
+     "one), CUDA version and architectures."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+
+}  // namespace
+
+extern "C" PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,120 @@
+"""Build of mha_ext: CPU kernels always, CUDA kernels when torch and a toolkit allow.
+
+Environment:
+  MHA_EXT_CUDA          unset: build CUDA when torch is a CUDA build and a toolkit is found;
+                        0: CPU only; 1: CUDA required (fails loudly when it cannot be built).
+  CUDA_HOME             CUDA toolkit; else /usr/local/cuda when it holds nvcc and libcudart.
+  TORCH_CUDA_ARCH_LIST  GPU architectures; with no GPU visible it defaults to "8.0;9.0".
+  MAX_JOBS              parallel compile jobs (ninja).
+"""
+import os
+import platform
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+import torch
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def find_cuda_home():
+    """CUDA_HOME if set, else /usr/local/cuda when it is a complete toolkit.
+
+    torch guesses the toolkit from the nvcc on PATH; where that nvcc is a wrapper script in
+    another folder the guess is wrong and linking fails (cannot find -lcudart).
+    """
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    default = Path("/usr/local/cuda")
+    if (default / "bin" / "nvcc").is_file() and (default / "lib64" / "libcudart.so").is_file():
+        return str(default)
+    return None
+
+
+def want_cuda():
+    mode = os.environ.get("MHA_EXT_CUDA", "")
+    if mode not in ("", "0", "1"):
+        sys.exit(f"setup.py: MHA_EXT_CUDA must be 0, 1 or unset, got {mode!r}")
+    if mode == "0":
+        return False
+    cuda_home = find_cuda_home()
+    problem = None
+    if torch.version.cuda is None:
+        problem = f"torch {torch.__version__} is not a CUDA build"
+    elif cuda_home is None:
+        problem = "no CUDA toolkit found (set CUDA_HOME)"
+    if problem is None:
+        os.environ["CUDA_HOME"] = cuda_home
+        return True
+    if mode == "1":
+        sys.exit(f"setup.py: MHA_EXT_CUDA=1 but {problem}")
+    print(f"setup.py: building CPU only: {problem}")
+    return False
+
+
+WITH_CUDA = want_cuda()
+if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+    # torch's own arch detection needs a visible GPU and crashes without one.
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+
+# Imported after CUDA_HOME is settled: cpp_extension reads it at import time.
+from torch.utils import cpp_extension  # noqa: E402
+
+
+def cpu_sources():
+    """C++ sources. The portable kernel build comes before the ISA builds: where several
+    kernel translation units emit the same inline function, the linker keeps the first copy,
+    and only the portable one runs on every CPU."""
+    kernels = ["attention_default.cpp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        kernels += ["attention_avx2.cpp", "attention_avx512.cpp"]
+    return [
+        "csrc/module.cpp",
+        "csrc/ops.cpp",
+        "csrc/attention_checks.cpp",
+        "csrc/cpu/isa.cpp",
+        "csrc/cpu/attention_cpu.cpp",
+    ] + [f"csrc/cpu/kernels/{name}" for name in kernels]
+
+
+def cuda_sources():
+    return ["csrc/cuda/dropout_mask_api.cpp", "csrc/cuda/kernels/dropout_mask.cu"]
+
+
+def extension():
+    torch_version = torch.__version__.split("+")[0]
+    cxx_flags = ["-O3", "-fopenmp", f"-DMHA_EXT_TORCH_VERSION={torch_version}"]
+    include_dirs = [str(ROOT / "csrc" / "include"), str(ROOT / "csrc")]
+    if not WITH_CUDA:
+        return cpp_extension.CppExtension(
+            "mha_ext._C",
+            cpu_sources(),
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").strip(";").replace(";", ",")
+    cxx_flags += ["-DMHA_EXT_WITH_CUDA", f"-DMHA_EXT_CUDA_ARCHS={archs}"]
+    return cpp_extension.CUDAExtension(
+        "mha_ext._C",
+        cpu_sources() + cuda_sources(),
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    name="mha_ext",
+    version="0.1.0",
+    description="Fused multi-head attention for PyTorch: FlashAttention-style CPU and CUDA kernels",
+    packages=find_packages(include=["mha_ext", "mha_ext.*"]),
+    package_data={"mha_ext": ["data/*.txt"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.5"],
+)
