@@ -1,0 +1,189 @@
+"""Public attention functions on the fused kernels.
+
+scaled_dot_product_attention is a drop-in for torch's; attention exposes the whole feature
+set (both causal alignments, sliding windows, logsumexp output). Shapes are
+(batch, heads, seq, head_dim); (batch, seq, heads, head_dim) storage works through
+.transpose(1, 2) views, without copies.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+CAUSAL_ALIGNMENTS = (None, "top_left", "bottom_right")
+
+_INT64 = torch.iinfo(torch.int64)
+
+
+def draw_dropout_seed(device: Union[str, torch.device]) -> Tensor:
+    """Draws the one-element int64 seed of attention's dropout from torch's generator.
+
+    attention draws its seed this way, so torch.manual_seed makes dropout reproducible, and
+    after the same manual_seed, dropout_mask(draw_dropout_seed(...), ...) shows the mask an
+    attention call applied.
+    """
+    return torch.randint(_INT64.min, _INT64.max, (1,), dtype=torch.int64, device=device)
+
+
+def dropout_mask(
+    dropout_seed: Tensor, batch: int, num_heads: int, seq_q: int, seq_k: int, dropout_p: float
+) -> Tensor:
+    """The bool keep-mask (batch, num_heads, seq_q, seq_k) that attention applies with this
+    seed and dropout_p (True = kept, scaled by 1 / (1 - dropout_p)). O(seq_q x seq_k): for
+    tests and inspection."""
+    return ops.dropout_mask(dropout_seed, batch, num_heads, seq_q, seq_k, float(dropout_p))
+
+
+def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
+    """(window_left, window_right, bottom_right) for the op; -1 means unbounded."""
+    if causal not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"{fn}: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    left, right = -1, -1
+    if window is not None:
+        sides = tuple(window) if isinstance(window, (tuple, list)) else None
+        valid = sides is not None and len(sides) == 2 and all(
+            side is None or (isinstance(side, int) and side >= -1) for side in sides
+        )
+        if not valid:
+            raise ValueError(
+                f"{fn}: window must be a pair (left, right) of ints >= 0, with None or -1 "
+                f"for an unbounded side, got {window!r}"
+            )
+        left, right = (-1 if side is None else side for side in sides)
+    if causal is not None:
+        right = 0 if right == -1 else min(right, 0)
+    # A window without causal aligns bottom-right, as FlashAttention's does.
+    return left, right, causal != "top_left"
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Fused attention with the full feature set.
+
+    Args:
+        q: (B, H, Sq, D) queries. k: (B, Hkv, Sk, D), v: (B, Hkv, Sk, Dv); Hkv divides H
+            (GQA/MQA: query head h reads kv head h // (H // Hkv), nothing is repeated).
+        causal: None, "top_left" (query i sees keys <= i, torch SDPA's is_causal) or
+            "bottom_right" (query i sees keys <= i + Sk - Sq: the queries are the last keys,
+            FlashAttention's convention).
+        scale: score multiplier, default 1 / sqrt(D).
+        window: (left, right) sliding window: query i sees keys in
+            [i' - left, i' + right], i' being i on the diagonal chosen by `causal`
+            (bottom-right when causal is None); None or -1 leaves a side unbounded.
+        attn_mask: bool (True = attend) or additive mask in q's dtype, broadcastable to
+            (B, H, Sq, Sk). It gets no gradient.
+        dropout_p: probability of dropping an attention weight (fused; the mask is drawn
+            from a seed taken from torch's generator, see draw_dropout_seed).
+        return_lse: also return the natural-log logsumexp of the scores, (B, H, Sq) in fp32
+            (fp64 for fp64 inputs); -inf for rows that see no key, whose output is 0.
+
+    Returns:
+        out (B, H, Sq, Dv) in q's dtype and memory order, or (out, lse).
+    """
+    fn = "mha_ext.attention"
+    window_left, window_right, bottom_right = _window_bounds(causal, window, fn)
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError(f"{fn}: attn_mask requires grad, but the fused kernels give the mask no gradient")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
+    out, lse = ops.attention_forward(
+        q, k, v, attn_mask, dropout_seed, float(dropout_p), scale, window_left, window_right, bottom_right
+    )
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on the fused kernels.
+
+    Same arguments and semantics: (N, H, L, E) or (N, L, E) inputs, a bool (True = attend)
+    or additive attn_mask broadcastable to (N, H, L, S), is_causal aligned top-left,
+    dropout applied whenever dropout_p > 0, and GQA only with enable_gqa=True.
+    """
+    fn = "mha_ext.scaled_dot_product_attention"
+    ranks = (query.dim(), key.dim(), value.dim())
+    if ranks not in ((3, 3, 3), (4, 4, 4)):
+        raise ValueError(
+            f"{fn}: query, key and value must all be 3-D (N, L, E) or all 4-D (N, H, L, E), "
+            f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if not enable_gqa and query.size(-3) != key.size(-3):
+        raise ValueError(
+            f"{fn}: query has {query.size(-3)} heads but key has {key.size(-3)}; "
+            f"pass enable_gqa=True for grouped-query attention"
+        )
+    unbatched_heads = query.dim() == 3
+    if unbatched_heads:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if attn_mask is not None and attn_mask.dim() == 3:  # (N, L, S) -> (N, 1, L, S)
+            attn_mask = attn_mask.unsqueeze(1)
+    out = attention(
+        query, key, value,
+        causal="top_left" if is_causal else None,
+        scale=scale,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+    )
+    return out.squeeze(1) if unbatched_heads else out
+
+
+def attention_probs(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    attn_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """The attention probabilities (B, H, Sq, Sk) that attention(..., return_lse=True)
+    applied before dropout, rebuilt from its logsumexp. Materialises Sq x Sk per head: for
+    inspecting heads, not for the fused path. Arguments as in attention."""
+    fn = "mha_ext.attention_probs"
+    window_left, window_right, bottom_right = _window_bounds(causal, window, fn)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    batch, heads, seq_q, _ = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    compute_dtype = lse.dtype
+    # Group the query heads that share a kv head instead of repeating K:
+    # (B, Hkv, G, Sq, D) @ (B, Hkv, 1, D, Sk) -> (B, Hkv, G, Sq, Sk)
+    grouped_q = q.unflatten(1, (kv_heads, heads // kv_heads)).to(compute_dtype)
+    scores = grouped_q @ k.unsqueeze(2).transpose(-1, -2).to(compute_dtype)
+    scores = scores.flatten(1, 2) * scale  # (B, H, Sq, Sk)
+    diagonal = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q if bottom_right else 0)
+    key_index = torch.arange(seq_k, device=q.device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if window_left >= 0:
+        visible &= key_index >= diagonal - window_left
+    if window_right >= 0:
+        visible &= key_index <= diagonal + window_right
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(compute_dtype)
+    # A row that sees no key has lse -inf and scores -inf: subtracting 0 keeps it at 0.
+    finite_lse = torch.where(lse == float("-inf"), 0.0, lse)
+    return torch.exp(scores - finite_lse[..., None]).to(q.dtype)

@@ -1,0 +1,116 @@
+"""Typed wrappers over torch.ops.mha_ext.*, plus what torch.compile and autograd need.
+
+The schemas are declared once in csrc/ops.cpp and the backends register in C++; this
+module adds the fake (meta) implementations, which let torch.compile trace the ops without
+running them, and the autograd formula of attention, whose backward is its own op.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading the library registers the ops)
+
+_ops = torch.ops.mha_ext
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_seed: Optional[Tensor],
+    dropout_p: float,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Fused attention; returns (out, lse). See csrc/ops.cpp for the argument contract."""
+    return _ops.attention_forward.default(
+        q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right
+    )
+
+
+def attention_backward(
+    grad_out: Tensor,
+    grad_lse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_seed: Optional[Tensor],
+    dropout_p: float,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (grad_q, grad_k, grad_v) of attention_forward from its saved out and lse."""
+    return _ops.attention_backward.default(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, dropout_seed,
+        dropout_p, scale, window_left, window_right, bottom_right,
+    )
+
+
+def dropout_mask(
+    dropout_seed: Tensor, batch: int, num_heads: int, seq_q: int, seq_k: int, dropout_p: float
+) -> Tensor:
+    """The bool keep-mask (batch, num_heads, seq_q, seq_k) that attention draws from this seed."""
+    return _ops.dropout_mask.default(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The logsumexp dtype of attention on `dtype` inputs: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("mha_ext::attention_forward")
+def _attention_forward_fake(
+    q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right
+):
+    batch, heads, seq_q, _ = q.shape
+    head_dim_v = v.shape[-1]
+    # Same layout rule as empty_attention_output in csrc/attention_checks.cpp: the output
+    # keeps q's memory order, so (B, S, H, D) views stay views through the op.
+    if q.stride(1) < q.stride(2):
+        out = q.new_empty(batch, seq_q, heads, head_dim_v).transpose(1, 2)
+    else:
+        out = q.new_empty(batch, heads, seq_q, head_dim_v)
+    return out, q.new_empty(batch, heads, seq_q, dtype=lse_dtype(q.dtype))
+
+
+@torch.library.register_fake("mha_ext::attention_backward")
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("mha_ext::dropout_mask")
+def _dropout_mask_fake(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p):
+    return dropout_seed.new_empty(batch, num_heads, seq_q, seq_k, dtype=torch.bool)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, dropout_seed, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed)
+    ctx.options = options  # dropout_p, scale, window_left, window_right, bottom_right
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
+    # The kernel reads rows of grad_out; a broadcast gradient (out.sum() gives stride 0)
+    # has to become real rows first.
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    grad_q, grad_k, grad_v = attention_backward(
+        grad_out, grad_lse, q, k, v, out, lse, attn_mask, dropout_seed, *ctx.options
+    )
+    return (grad_q, grad_k, grad_v) + (None,) * 7
+
+
+torch.library.register_autograd(
+    "mha_ext::attention_forward", _attention_backward, setup_context=_attention_setup_context
+)

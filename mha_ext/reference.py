@@ -1,0 +1,104 @@
+"""Textbook PyTorch references: explicit score matrices, no fusion, exact in float64.
+
+The tests compare the fused kernels against these run in float64, and use the same code in
+the kernel's dtype to measure how far plain PyTorch lands from float64. The naive module is
+the seed tutorial's, with GQA by repeating K/V heads the textbook way.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    attn_mask: Optional[Tensor] = None,
+    dropout_keep: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of mha_ext.attention computed with explicit (B, H, Sq, Sk) scores.
+
+    Same arguments as mha_ext.attention, except that dropout takes the bool keep-mask
+    (B, H, Sq, Sk) to apply (see mha_ext.dropout_mask) instead of drawing one.
+    Computes in q's dtype: pass float64 tensors for the ground truth.
+    """
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    k = k.repeat_interleave(group, dim=1)  # (B, H, Sk, D)
+    v = v.repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+
+    # Query i sits on key diagonal i + shift; the window keeps keys
+    # diagonal - left .. diagonal + right, causal forcing right = 0.
+    shift = 0 if causal == "top_left" else seq_k - seq_q
+    left, right = window if window is not None else (None, None)
+    left = None if left == -1 else left
+    right = None if right == -1 else right
+    if causal is not None:
+        right = 0 if right is None else min(right, 0)
+    allowed = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
+    if right is not None:
+        allowed = allowed.tril(diagonal=shift + right)
+    if left is not None:
+        allowed = allowed.triu(diagonal=shift - left)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq)
+    # Rows that see no key: softmax would give NaN (and NaN gradients); define them as 0.
+    empty_rows = (lse == float("-inf"))[..., None]
+    probs = F.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1).masked_fill(empty_rows, 0.0)
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1.0 - dropout_p)
+    return torch.matmul(probs, v), lse
+
+
+class MultiHeadAttentionReference(nn.Module):
+    """The seed tutorial's naive module (explicit scores, separate softmax and dropout),
+    extended to GQA/MQA by repeating K/V heads. Parameters match MultiHeadAttention's, so
+    state dicts move between the two."""
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1,
+                 num_kv_heads: Optional[int] = None, bias: bool = False):
+        super().__init__()
+        assert d_model % num_heads == 0
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.d_k = d_model // num_heads
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(d_model, self.num_kv_heads * self.d_k, bias=bias)
+        self.w_v = nn.Linear(d_model, self.num_kv_heads * self.d_k, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v, mask=None):
+        batch_size = q.size(0)
+        group = self.num_heads // self.num_kv_heads
+        # (batch, seq, d_model) -> (batch, heads, seq, d_k)
+        q = self.w_q(q).view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
+        k = self.w_k(k).view(batch_size, -1, self.num_kv_heads, self.d_k).transpose(1, 2)
+        v = self.w_v(v).view(batch_size, -1, self.num_kv_heads, self.d_k).transpose(1, 2)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, float("-inf"))
+        attn = self.dropout(F.softmax(scores, dim=-1))
+        out = torch.matmul(attn, v)  # (batch, heads, seq, d_k)
+        out = out.transpose(1, 2).contiguous().view(batch_size, -1, self.d_model)
+        return self.w_o(out)

@@ -1,0 +1,205 @@
+"""Fused attention against the float64 reference: forward, backward, layouts, masks."""
+import pytest
+import torch
+
+import mha_ext
+from mha_ext.reference import attention_reference
+
+from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEADS = [(8, 8), (8, 2), (8, 1)]
+# (batch, seq_q, seq_k, head_dim, head_dim_v): odd lengths, one-token rows, Sq != Sk both
+# ways, head dims that are not powers of two, the 256 maximum and a distinct value dim.
+SHAPES = [
+    (1, 1, 1, 64, 64),
+    (2, 17, 17, 40, 40),
+    (1, 113, 203, 80, 80),
+    (2, 203, 113, 128, 128),
+    (1, 64, 130, 256, 256),
+    (1, 17, 300, 64, 32),
+]
+# Keyword sets for mha_ext.attention (attn_mask is built per case).
+MASKINGS = {
+    "none": {},
+    "causal_top_left": {"causal": "top_left"},
+    "causal_bottom_right": {"causal": "bottom_right"},
+    "window_causal": {"causal": "bottom_right", "window": (16, 0)},
+    "window_both_sides": {"window": (7, 5)},
+    "bool_mask": {"attn_mask": "bool"},
+    "additive_mask": {"attn_mask": "additive"},
+}
+
+
+def build_mask(kind, batch, heads, seq_q, seq_k, dtype):
+    generator = torch.Generator().manual_seed(7)
+    if kind == "bool":  # (B, 1, Sq, Sk): broadcast over heads
+        return torch.rand(batch, 1, seq_q, seq_k, generator=generator) > 0.3
+    return torch.randn(1, heads, seq_q, seq_k, generator=generator).to(dtype)  # over batch
+
+
+def resolve(masking, batch, heads, seq_q, seq_k, dtype):
+    kwargs = dict(MASKINGS[masking])
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = build_mask(kwargs["attn_mask"], batch, heads, seq_q, seq_k, dtype)
+    return kwargs
+
+
+def as_dtype(kwargs, dtype):
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        return {**kwargs, "attn_mask": mask.to(dtype)}
+    return kwargs
+
+
+def check_forward(q, k, v, kwargs):
+    out, lse = mha_ext.attention(q, k, v, return_lse=True, **kwargs)
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), **as_dtype(kwargs, torch.float64))
+    plain, _ = attention_reference(q, k, v, **kwargs)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert_within_rule(out, ref, plain, OUTPUT_FACTOR, "output")
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows without keys must have lse -inf"
+    assert (lse[~seen] == float("-inf")).all()
+    # Scores are exact products of the inputs summed in fp32: lse is accurate to fp32 rounding.
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("masking", list(MASKINGS))
+def test_forward_matches_reference(dtype, heads, shape, masking):
+    batch, seq_q, seq_k, head_dim, head_dim_v = shape
+    q, k, v = random_qkv(batch, *heads, seq_q, seq_k, head_dim, head_dim_v, dtype=dtype)
+    check_forward(q, k, v, resolve(masking, batch, heads[0], seq_q, seq_k, dtype))
+
+
+def gradients(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return out, [leaf.grad for leaf in leaves]
+
+
+def check_backward(q, k, v, kwargs):
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(3)).to(q.dtype)
+    _, grads = gradients(lambda *t: mha_ext.attention(*t, **kwargs), (q, k, v), grad_out)
+    _, ref_grads = gradients(
+        lambda *t: attention_reference(*t, **as_dtype(kwargs, torch.float64))[0],
+        (q.double(), k.double(), v.double()), grad_out.double(),
+    )
+    _, plain_grads = gradients(lambda *t: attention_reference(*t, **kwargs)[0], (q, k, v), grad_out)
+    for name, grad, ref, plain, like in zip("qkv", grads, ref_grads, plain_grads, (q, k, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype
+        assert_within_rule(grad, ref, plain, GRAD_FACTOR, f"grad_{name}")
+
+
+BACKWARD_SHAPES = [(1, 1, 1, 64, 64), (2, 17, 17, 40, 40), (1, 113, 203, 80, 80), (1, 130, 70, 128, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("masking", list(MASKINGS))
+def test_backward_matches_reference(dtype, heads, shape, masking):
+    batch, seq_q, seq_k, head_dim, head_dim_v = shape
+    q, k, v = random_qkv(batch, *heads, seq_q, seq_k, head_dim, head_dim_v, dtype=dtype)
+    check_backward(q, k, v, resolve(masking, batch, heads[0], seq_q, seq_k, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bshd_views_work_without_copies(dtype):
+    q, k, v = random_qkv(2, 8, 2, 45, 77, 64, dtype=dtype, layout="bshd")
+    assert not q.is_contiguous()
+    out = mha_ext.attention(q, k, v, causal="bottom_right")
+    # The output keeps q's (B, S, H, D) storage, so the model's reshape back is a view.
+    assert out.transpose(1, 2).is_contiguous()
+    check_forward(q, k, v, {"causal": "bottom_right"})
+    check_backward(q, k, v, {"causal": "bottom_right"})
+
+
+def test_strided_rows_and_heads():
+    # Slices of wider tensors: row and head strides differ from the packed ones.
+    base = torch.randn(2, 8, 60, 96)
+    q = base[:, :, :50, :64]
+    k = torch.randn(2, 4, 70, 80)[:, ::2, :, 16:]  # every other head, offset columns
+    v = torch.randn(2, 2, 140, 32)[:, :, ::2]  # every other row
+    assert q.stride(2) == 96 and k.stride(1) == 2 * 70 * 80 and v.stride(2) == 64
+    check_forward(q, k, v, {"causal": "top_left"})
+    check_backward(q, k, v, {"window": (9, 3)})
+
+
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
+    q, k, v = random_qkv(2, 4, 2, 24, 16, 32)
+    mask = torch.rand(2, 1, 24, 16) > 0.5
+    mask[:, :, 3] = False  # row 3 sees nothing, in every batch and head
+    mask[1, :, 10:14] = False
+    out, lse = mha_ext.attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert (out[:, :, 3] == 0).all() and (lse[:, :, 3] == float("-inf")).all()
+    assert (out[1, :, 10:14] == 0).all()
+    check_forward(q, k, v, {"attn_mask": mask})
+    check_backward(q, k, v, {"attn_mask": mask})
+    # Bottom-right causal with more queries than keys: the first Sq - Sk rows see no key.
+    q2, k2, v2 = random_qkv(1, 4, 4, 40, 25, 32)
+    out2, lse2 = mha_ext.attention(q2, k2, v2, causal="bottom_right", return_lse=True)
+    assert (out2[:, :, :15] == 0).all() and (lse2[:, :, :15] == float("-inf")).all()
+    assert torch.isfinite(lse2[:, :, 15:]).all()
+    check_backward(q2, k2, v2, {"causal": "bottom_right"})
+
+
+def test_lse_gradient_flows():
+    q, k, v = random_qkv(1, 4, 2, 33, 47, 32, dtype=torch.float64)
+    weights = torch.randn(1, 4, 33, dtype=torch.float64)
+
+    def loss(fn, *t):
+        out, lse = fn(*t)
+        return out.sum() + (lse * weights).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(lambda *t: mha_ext.attention(*t, causal="bottom_right", return_lse=True), *leaves).backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(lambda *t: attention_reference(*t, causal="bottom_right"), *ref_leaves).backward()
+    for leaf, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_fp64_lse_is_fp64():
+    q, k, v = random_qkv(1, 2, 2, 5, 7, 16, dtype=torch.float64)
+    _, lse = mha_ext.attention(q, k, v, return_lse=True)
+    assert lse.dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"causal": "top_left", "scale": 0.3},
+        {"causal": "bottom_right", "window": (5, 0)},
+        {"window": (3, 2)},
+        {"attn_mask": "additive"},
+        {"attn_mask": "bool"},
+    ],
+    ids=["plain", "causal_tl_scale", "causal_br_window", "window", "additive", "bool"],
+)
+def test_gradcheck_fp64(kwargs):
+    q, k, v = random_qkv(1, 4, 2, 9, 13, 8, head_dim_v=6, dtype=torch.float64)
+    kwargs = dict(kwargs)
+    if "attn_mask" in kwargs:
+        kwargs["attn_mask"] = build_mask(kwargs["attn_mask"], 1, 4, 9, 13, torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fn(*t):
+        out, lse = mha_ext.attention(*t, return_lse=True, **kwargs)
+        return out, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_large_tiles_many_blocks_causal():
+    # Several 64-row query and key blocks, ragged edges, both alignments, GQA.
+    q, k, v = random_qkv(1, 4, 2, 300, 333, 64)
+    for causal in ("top_left", "bottom_right"):
+        check_forward(q, k, v, {"causal": causal})
+    check_backward(q, k, v, {"causal": "bottom_right", "window": (100, 0)})
