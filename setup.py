@@ -68,15 +68,17 @@ def cpu_sources():
     """C++ sources. The portable kernel build comes before the ISA builds: where several
     kernel translation units emit the same inline function, the linker keeps the first copy,
     and only the portable one runs on every CPU."""
-    kernels = ["attention_default.cpp"]
+    kernels = ["kernels_default.cpp"]
     if platform.machine() in ("x86_64", "AMD64"):
-        kernels += ["attention_avx2.cpp", "attention_avx512.cpp"]
+        kernels += ["kernels_avx2.cpp", "kernels_avx512.cpp"]
     return [
         "csrc/module.cpp",
         "csrc/ops.cpp",
         "csrc/attention_checks.cpp",
         "csrc/cpu/isa.cpp",
+        "csrc/paged_checks.cpp",
         "csrc/cpu/attention_cpu.cpp",
+        "csrc/cpu/paged_cpu.cpp",
     ] + [f"csrc/cpu/kernels/{name}" for name in kernels]
 
 

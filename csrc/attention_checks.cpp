@@ -13,20 +13,6 @@ namespace {
 
 constexpr const char* kOp = "mha_ext.attention: ";
 
-DType to_dtype(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, kOp, "q has dtype ", dtype_name(dtype),
-                  "; supported dtypes are torch.float32, torch.float64, torch.bfloat16 and "
-                  "torch.float16");
-  }
-  return DType::kFloat32;  // not reached: the default branch throws
-}
-
 void check_4d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 4, kOp, name, " must be a 4-D tensor (batch, heads, seq, head_dim), got ",
               t.dim(), "-D with shape ", t.sizes());
@@ -75,6 +61,20 @@ AttnMaskParams make_mask_params(const at::Tensor& mask, const at::Tensor& q, int
 }
 
 }  // namespace
+
+DType to_dtype(at::ScalarType dtype, const char* op, const char* name) {
+  switch (dtype) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default:
+      TORCH_CHECK(false, op, name, " has dtype ", dtype_name(dtype),
+                  "; supported dtypes are torch.float32, torch.float64, torch.bfloat16 and "
+                  "torch.float16");
+  }
+  return DType::kFloat32;  // not reached: the default branch throws
+}
 
 std::string dtype_name(at::ScalarType dtype) {
   return "torch." + std::string(c10::getDtypeNames(dtype).first);
@@ -136,7 +136,7 @@ AttentionForwardParams make_attention_params(const at::Tensor& q, const at::Tens
   }
 
   AttentionForwardParams p;
-  p.dtype = to_dtype(q.scalar_type());
+  p.dtype = to_dtype(q.scalar_type(), kOp, "q");
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();

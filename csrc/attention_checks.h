@@ -17,6 +17,10 @@ constexpr int64_t kMaxHeadDim = 256;
 // "torch.float32", as a user writes the dtype.
 std::string dtype_name(at::ScalarType dtype);
 
+// The kernels' dtype for a tensor's dtype; an unsupported one is an error naming op and the
+// argument.
+DType to_dtype(at::ScalarType dtype, const char* op, const char* name);
+
 // fp32 for every input dtype except fp64, which accumulates in fp64: the dtype of the
 // logsumexp output and of the kernels' workspaces.
 at::ScalarType accumulate_dtype(at::ScalarType dtype);

@@ -30,4 +30,28 @@ TORCH_LIBRARY(mha_ext, m) {
   m.def(
       "dropout_mask(Tensor dropout_seed, int batch, int num_heads, int seq_q, int seq_k, "
       "float dropout_p) -> Tensor");
+
+  // Writes key [num_tokens, num_kv_heads, head_dim] and value [num_tokens, num_kv_heads,
+  // head_dim_v] into the paged caches in place, token t at slot_mapping[t] (int64,
+  // block * block_size + offset; -1 skips the token). Caches are [num_blocks, num_kv_heads,
+  // block_size, head_dim] through strides. A slot outside the cache is an error and nothing
+  // is written.
+  m.def(
+      "paged_kv_append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+
+  // Attention of packed queries q [total_q, num_heads, head_dim] over paged caches: sequence
+  // b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b+1]), reads its seq_lens[b] cached tokens
+  // (the new ones included) through block_tables[b], and its queries are its last tokens
+  // (causal, bottom-right). All index tensors int32. Returns out [total_q, num_heads,
+  // head_dim_v] and lse [total_q, num_heads] (fp32; fp64 for fp64).
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_seqlens_q, float scale) -> (Tensor out, Tensor lse)");
+
+  // Combines two attentions over disjoint key sets, out_* [..., head_dim] with their
+  // logsumexps lse_* [...], into the attention over both. An empty side (lse -inf) drops out.
+  m.def(
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
+      "-> (Tensor out, Tensor lse)");
 }

@@ -1,36 +1,15 @@
 // CPU backend of the attention ops: validate -> fill params -> run the kernel build that
-// suits this CPU (cpu/isa.h).
+// suits this CPU (cpu/isa.h, via MHA_EXT_RUN_CPU_KERNEL).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "attention_checks.h"
-#include "cpu/isa.h"
-#include "cpu/kernels/attention_kernels.h"
+#include "cpu/kernels/kernels.h"
 #include "mha_ext/philox.h"
 
 namespace mha_ext::cpu {
 namespace {
-
-void run_forward(const AttentionForwardParams& params) {
-  switch (active_cpu_isa()) {
-#if defined(__x86_64__)
-    case CpuIsa::kAvx512: return AVX512::attention_forward(params);
-    case CpuIsa::kAvx2: return AVX2::attention_forward(params);
-#endif
-    default: return DEFAULT::attention_forward(params);
-  }
-}
-
-void run_backward(const AttentionBackwardParams& params) {
-  switch (active_cpu_isa()) {
-#if defined(__x86_64__)
-    case CpuIsa::kAvx512: return AVX512::attention_backward(params);
-    case CpuIsa::kAvx2: return AVX2::attention_backward(params);
-#endif
-    default: return DEFAULT::attention_backward(params);
-  }
-}
 
 uint64_t read_seed(const std::optional<at::Tensor>& dropout_seed) {
   return dropout_seed.has_value() ? static_cast<uint64_t>(dropout_seed->item<int64_t>()) : 0;
@@ -50,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   params.out_strides = row_strides(out);
   params.lse = lse.data_ptr();
   params.dropout.seed = read_seed(dropout_seed);
-  run_forward(params);
+  MHA_EXT_RUN_CPU_KERNEL(attention_forward, params);
   return {out, lse};
 }
 
@@ -100,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   params.grad_q_accum = grad_q_accum.data_ptr();
   params.num_kv_splits = splits;
   params.delta = delta.data_ptr();
-  run_backward(params);
+  MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
   return {grad_q, grad_k, grad_v};
 }
 

@@ -1,5 +1,5 @@
 #pragma once
-// Run-time choice among the CPU kernel builds (see kernels/attention_kernels.h), as ATen
+// Run-time choice among the CPU kernel builds (see kernels/kernels.h), as ATen
 // does: the best ISA this CPU supports, or the one named by MHA_EXT_CPU_ISA
 // (generic | avx2 | avx512), so that tests can force the portable build on any machine.
 #include <string>

@@ -13,87 +13,17 @@
 // workspace that a last pass sums; splits only exist when batch x kv heads is smaller than
 // the thread count.
 //
-// Included by one translation unit per CPU ISA after it defines CPU_CAPABILITY.
+// Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <stdexcept>
-#include <vector>
-
-#include "mha_ext/attention_params.h"
+#include "blocking.h"
+#include "kernel_common.h"
 #include "mha_ext/key_window.h"
 #include "mha_ext/philox.h"
-#include "blocking.h"
 #include "tile_gemm.h"
 
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
-
-template <typename scalar_t>
-struct AccumulateType {
-  using type = float;
-};
-template <>
-struct AccumulateType<double> {
-  using type = double;
-};
-
-constexpr int64_t kBlockQ = kQueryBlock;
-constexpr int64_t kBlockK = kKeyBlock;
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
-
-// Per-thread scratch that outlives calls: memory touched for the first time is slow on
-// these machines, so each thread keeps its buffer and only ever grows it.
-template <typename T>
-T* thread_scratch(int64_t elements) {
-  thread_local std::vector<T> buffer;
-  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
-  return buffer.data();
-}
-
-// dst[r * ld + c] = src[r * src_stride + c] for r < rows, c < cols, converted to acc_t.
-template <typename scalar_t, typename acc_t>
-void load_rows(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols, acc_t* dst,
-               int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* in = src + r * src_stride;
-    acc_t* out = dst + r * ld;
-    for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]);
-  }
-}
-
-// dst[c * ld + r] = src[r * src_stride + c]: a K or V block laid out as K^T / V^T.
-template <typename scalar_t, typename acc_t>
-void load_rows_transposed(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols,
-                          acc_t* dst, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* in = src + r * src_stride;
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<acc_t>(in[c]);
-  }
-}
-
-template <typename acc_t>
-void transpose_tile(const acc_t* src, int64_t src_ld, int64_t rows, int64_t cols, acc_t* dst,
-                    int64_t dst_ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
-  }
-}
-
-// dst[c] = src[c] * factor, converted to the output type.
-template <typename scalar_t, typename acc_t>
-void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
-  for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<scalar_t>(src[c] * factor);
-}
 
 // Turns one row of raw dot products q.k for keys [key0, key0 + cols) into scores:
 // scaled, plus an additive mask, and -inf wherever the window or a boolean mask hides the
@@ -197,24 +127,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* s = s_tile + r * kBlockK;
           scale_and_mask_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
-          const acc_t tile_max = at::vec::reduce_all<acc_t>(
-              [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, cols);
-          const acc_t new_max = std::max(row_max[r], tile_max);
-          if (new_max == kMinusInf) {  // nothing visible yet: this tile adds nothing
-            std::fill(s, s + cols, acc_t(0));
-            continue;
-          }
-          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp_u20(); }, s, s, cols);
-          const acc_t tile_sum = at::vec::reduce_all<acc_t>(
-              [](Vec& a, Vec& b) { return a + b; }, s, cols);
-          // exp(-inf) = 0 rescales an empty accumulator on the first visible tile.
-          const acc_t rescale = std::exp(row_max[r] - new_max);
-          row_sum[r] = row_sum[r] * rescale + tile_sum;
-          row_max[r] = new_max;
-          if (rescale != acc_t(1)) {
-            acc_t* o = o_tile + r * ld_dv;
-            at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o, o, p.head_dim_v);
-          }
+          online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
           // Dropout acts on the normalised probabilities, after their sum was taken.
           if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
         }
@@ -226,11 +139,8 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
                       head * p.out_strides.head + row0 * p.out_strides.row;
       acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
       for (int64_t r = 0; r < rows; ++r) {
-        // A row that saw no key has sum 0: output 0 and logsumexp -inf, never NaN.
-        const bool empty = row_sum[r] == acc_t(0);
-        store_row(o_tile + r * ld_dv, p.head_dim_v, empty ? acc_t(0) : acc_t(1) / row_sum[r],
-                  out + r * p.out_strides.row);
-        lse[r] = empty ? kMinusInf : row_max[r] + std::log(row_sum[r]);
+        lse[r] = finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r],
+                            out + r * p.out_strides.row);
       }
     }
   });
@@ -411,18 +321,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   });
 }
 
-template <typename Kernel>
-void dispatch_dtype(DType dtype, Kernel&& kernel) {
-  switch (dtype) {
-    case DType::kFloat32: return kernel(float{});
-    case DType::kFloat64: return kernel(double{});
-    case DType::kBFloat16: return kernel(c10::BFloat16{});
-    case DType::kFloat16: return kernel(c10::Half{});
-  }
-  throw std::invalid_argument("mha_ext: attention kernel called with an unknown dtype");
-}
-
-// The ISA's entry points, declared for the dispatcher in attention_kernels.h.
+// The ISA's entry points, declared for the dispatcher in kernels.h.
 void attention_forward(const AttentionForwardParams& params) {
   dispatch_dtype(params.dtype, [&](auto tag) { attention_forward_kernel<decltype(tag)>(params); });
 }

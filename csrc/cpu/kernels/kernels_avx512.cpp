@@ -1,4 +1,4 @@
-// AVX-512 (F, BW, VL, DQ) build of the CPU attention kernels, run only on CPUs that report
+// AVX-512 (F, BW, VL, DQ) build of the CPU kernels, run only on CPUs that report
 // those features (cpu/isa.cpp). The target pragma stands in for per-file compiler flags,
 // which torch.utils.cpp_extension cannot give to one source of an extension.
 #if defined(__clang__)
@@ -30,6 +30,7 @@
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "attention_kernel.h"
+#include "paged_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif

@@ -1,4 +1,4 @@
-// AVX2 + FMA build of the CPU attention kernels, run only on CPUs that report those
+// AVX2 + FMA build of the CPU kernels, run only on CPUs that report those
 // features (cpu/isa.cpp). The target pragma stands in for per-file compiler flags, which
 // torch.utils.cpp_extension cannot give to one source of an extension.
 #if defined(__clang__)
@@ -25,6 +25,7 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "attention_kernel.h"
+#include "paged_kernel.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif

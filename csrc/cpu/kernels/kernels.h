@@ -1,0 +1,46 @@
+#pragma once
+// Entry points of the CPU kernels, one set per compiled ISA, for the dispatchers (the ISA
+// translation units kernels_<isa>.cpp define them without including this file). Each set is
+// the same source (attention_kernel.h, paged_kernel.h) compiled with that ISA's instructions
+// enabled; cpu/isa.h picks one at run time. Non-x86 builds compile only DEFAULT.
+#include "blocking.h"
+#include "cpu/isa.h"
+#include "mha_ext/attention_params.h"
+#include "mha_ext/paged_params.h"
+
+namespace mha_ext::cpu {
+
+#define MHA_EXT_DECLARE_CPU_KERNELS(isa)                              \
+  namespace isa {                                                     \
+  void attention_forward(const AttentionForwardParams& params);      \
+  void attention_backward(const AttentionBackwardParams& params);    \
+  void paged_attention(const PagedAttentionParams& params);          \
+  void merge_attention_states(const MergeStatesParams& params);      \
+  }
+
+MHA_EXT_DECLARE_CPU_KERNELS(DEFAULT)
+#if defined(__x86_64__)
+MHA_EXT_DECLARE_CPU_KERNELS(AVX2)
+MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
+#endif
+
+#undef MHA_EXT_DECLARE_CPU_KERNELS
+
+// Runs the build of kernel `name` that cpu/isa.h chose for this CPU.
+#if defined(__x86_64__)
+#define MHA_EXT_RUN_CPU_KERNEL(name, params)                   \
+  switch (::mha_ext::cpu::active_cpu_isa()) {                  \
+    case ::mha_ext::cpu::CpuIsa::kAvx512:                      \
+      ::mha_ext::cpu::AVX512::name(params);                    \
+      break;                                                   \
+    case ::mha_ext::cpu::CpuIsa::kAvx2:                        \
+      ::mha_ext::cpu::AVX2::name(params);                      \
+      break;                                                   \
+    default:                                                   \
+      ::mha_ext::cpu::DEFAULT::name(params);                   \
+  }
+#else
+#define MHA_EXT_RUN_CPU_KERNEL(name, params) ::mha_ext::cpu::DEFAULT::name(params)
+#endif
+
+}  // namespace mha_ext::cpu

@@ -1,0 +1,195 @@
+#pragma once
+// Attention that reads keys and values from a paged cache through block tables, for a batch
+// of sequences of different lengths: decode (one query per sequence) and chunked prefill
+// (several), causal with the queries as the last tokens of each sequence.
+//
+// One task per (sequence, kv head, chunk of queries, split of the keys). The query heads of a
+// GQA group are packed as rows of one query tile, so each K/V element is read once per group:
+// for decode, the tile rows are the group's heads. Key tiles of 64 tokens are gathered from
+// whatever blocks hold them, so any block size works. With few tasks for the threads, long
+// contexts are split and the partial results merged by logsumexp.
+//
+// Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
+#include <ATen/Parallel.h>
+
+#include "blocking.h"
+#include "kernel_common.h"
+#include "mha_ext/paged_cache.h"
+#include "mha_ext/paged_params.h"
+#include "tile_gemm.h"
+
+namespace mha_ext::cpu {
+inline namespace CPU_CAPABILITY {
+
+// Rows [first, first + count) of a paged K or V cache for one sequence and kv head, copied
+// like load_rows (or transposed into [dim, ld] when kTranspose).
+template <bool kTranspose, typename scalar_t, typename acc_t>
+void gather_cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
+                       int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
+                       int64_t dim, acc_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < count; ++r) {
+    const CacheSlot slot = slot_location(slot_of_position(block_table, first + r, block_size), block_size);
+    const scalar_t* row = cache + slot.block * strides.block + kv_head * strides.head +
+                          slot.offset * strides.offset;
+    if (kTranspose) {
+      for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = static_cast<acc_t>(row[d]);
+    } else {
+      load_rows(row, 0, 1, dim, dst + r * ld, ld);
+    }
+  }
+}
+
+template <typename scalar_t>
+void paged_attention_kernel(const PagedAttentionParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t kBlockK = kKeyBlock;
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  // Tile rows are (query, head of the group) pairs: as many queries as fill kQueryBlock rows.
+  const int64_t queries_per_tile = std::max<int64_t>(1, kQueryBlock / group);
+  const int64_t tile_rows = queries_per_tile * group;
+  const int64_t q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile);
+  const int64_t splits = p.num_kv_splits;
+  const int64_t ld_d = round_up(p.head_dim, Vec::size());
+  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
+  const int64_t scratch_size = tile_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
+                               tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows;
+  const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
+  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
+
+  at::parallel_for(0, p.batch * p.num_kv_heads * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
+    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [tile_rows, ld_d]
+    acc_t* kt_tile = q_tile + tile_rows * ld_d;            // [head_dim, kBlockK]
+    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;        // [kBlockK, ld_dv]
+    acc_t* s_tile = v_tile + kBlockK * ld_dv;              // [tile_rows, kBlockK]
+    acc_t* o_tile = s_tile + tile_rows * kBlockK;          // [tile_rows, ld_dv]
+    acc_t* row_max = o_tile + tile_rows * ld_dv;           // [tile_rows]
+    acc_t* row_sum = row_max + tile_rows;                  // [tile_rows]
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / (p.num_kv_heads * q_chunks * splits);
+      const int64_t kv_head = task / (q_chunks * splits) % p.num_kv_heads;
+      const int64_t chunk = task / splits % q_chunks;
+      const int64_t split = task % splits;
+      const int64_t q_begin = p.cu_seqlens_q[seq];
+      const int64_t num_queries = p.cu_seqlens_q[seq + 1] - q_begin;
+      const int64_t first_query = chunk * queries_per_tile;
+      if (first_query >= num_queries) continue;
+      const int64_t queries = std::min(queries_per_tile, num_queries - first_query);
+      const int64_t rows = queries * group;
+      const int64_t seq_len = p.seq_lens[seq];
+      // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
+      const int64_t first_position = seq_len - num_queries + first_query;
+      const int64_t keys = first_position + queries;  // keys the chunk's last query sees
+      const int64_t split_keys = round_up(ceil_div(keys, splits), kBlockK);
+      const int64_t key_begin = std::min(split * split_keys, keys);
+      const int64_t key_end = std::min(key_begin + split_keys, keys);
+      const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
+
+      // Row r = (query first_query + r / group, head kv_head * group + r % group)
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
+                                (q_begin + first_query + r / group) * p.q_strides.token +
+                                (kv_head * group + r % group) * p.q_strides.head;
+        load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d);
+      }
+      std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
+      std::fill(row_max, row_max + rows, kMinusInf);
+      std::fill(row_sum, row_sum + rows, acc_t(0));
+      const acc_t scale = static_cast<acc_t>(p.scale);
+
+      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, key_end - key0);
+        gather_cache_rows<true>(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
+                                key0, cols, p.head_dim, kt_tile, kBlockK);
+        gather_cache_rows<false>(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
+                                 key0, cols, p.head_dim_v, v_tile, ld_dv);
+        // S = Q K^T   [rows, cols]
+        tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+        for (int64_t r = 0; r < rows; ++r) {
+          acc_t* s = s_tile + r * kBlockK;
+          const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
+          at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, visible);
+          std::fill(s + visible, s + cols, kMinusInf);
+          online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
+        }
+        // O += P V   [rows, head_dim_v]
+        tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = q_begin + first_query + r / group;
+        const int64_t head = kv_head * group + r % group;
+        const int64_t lse_index = token * p.num_heads + head;
+        if (splits == 1) {
+          scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                          head * p.out_strides.head;
+          static_cast<acc_t*>(p.lse)[lse_index] =
+              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r], out);
+        } else {
+          acc_t* partial = static_cast<acc_t*>(p.partial_out) +
+                           (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
+          static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
+              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r], partial);
+        }
+      }
+    }
+  });
+  if (splits == 1) return;
+
+  // Fold the splits' partial results into the output, one (token, head) row at a time.
+  at::parallel_for(0, p.total_q * p.num_heads, 64, [&](int64_t begin, int64_t end) {
+    acc_t* merged = thread_scratch<acc_t>(p.head_dim_v);
+    for (int64_t index = begin; index < end; ++index) {
+      const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);
+      const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);
+      const int64_t stride = p.total_q * p.num_heads;
+      acc_t lse = partial_lse[index];
+      std::copy(partial_out + index * p.head_dim_v, partial_out + (index + 1) * p.head_dim_v, merged);
+      for (int64_t split = 1; split < splits; ++split) {
+        const MergedState<acc_t> state = merge_softmax_states(lse, partial_lse[split * stride + index]);
+        const acc_t* other = partial_out + (split * stride + index) * p.head_dim_v;
+        at::vec::map2([&state](Vec a, Vec b) { return a * Vec(state.weight_a) + b * Vec(state.weight_b); },
+                      merged, merged, other, p.head_dim_v);
+        lse = state.lse;
+      }
+      const int64_t token = index / p.num_heads, head = index % p.num_heads;
+      store_row(merged, p.head_dim_v, acc_t(1),
+                static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head);
+      static_cast<acc_t*>(p.lse)[index] = lse;
+    }
+  });
+}
+
+template <typename scalar_t>
+void merge_states_kernel(const MergeStatesParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  at::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const MergedState<acc_t> state = merge_softmax_states(
+          static_cast<const acc_t*>(p.lse_a)[row], static_cast<const acc_t*>(p.lse_b)[row]);
+      const scalar_t* a = static_cast<const scalar_t*>(p.out_a) + row * p.out_a_stride;
+      const scalar_t* b = static_cast<const scalar_t*>(p.out_b) + row * p.out_b_stride;
+      scalar_t* out = static_cast<scalar_t*>(p.out) + row * p.out_stride;
+      for (int64_t d = 0; d < p.head_dim; ++d) {
+        // A side with weight 0 contributes nothing, even when its output holds garbage.
+        const acc_t from_a = state.weight_a == acc_t(0) ? acc_t(0) : state.weight_a * static_cast<acc_t>(a[d]);
+        const acc_t from_b = state.weight_b == acc_t(0) ? acc_t(0) : state.weight_b * static_cast<acc_t>(b[d]);
+        out[d] = static_cast<scalar_t>(from_a + from_b);
+      }
+      static_cast<acc_t*>(p.lse)[row] = state.lse;
+    }
+  });
+}
+
+void paged_attention(const PagedAttentionParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { paged_attention_kernel<decltype(tag)>(params); });
+}
+
+void merge_attention_states(const MergeStatesParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { merge_states_kernel<decltype(tag)>(params); });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace mha_ext::cpu

@@ -1,0 +1,117 @@
+// CPU backend of the paged KV-cache ops: validate (index values included, before any write)
+// -> fill params -> run.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "attention_checks.h"
+#include "cpu/kernels/kernels.h"
+#include "mha_ext/paged_cache.h"
+#include "paged_checks.h"
+
+namespace mha_ext::cpu {
+namespace {
+
+// Appending is a copy of each (token, kv head) row into its slot: no arithmetic, so one
+// portable loop serves every dtype.
+void append_rows(const PagedAppendParams& p) {
+  const char* key = static_cast<const char*>(p.key);
+  const char* value = static_cast<const char*>(p.value);
+  char* k_cache = static_cast<char*>(p.k_cache);
+  char* v_cache = static_cast<char*>(p.v_cache);
+  const int64_t bytes = p.element_size;
+  at::parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (p.slot_mapping[t] < 0) continue;  // padding token
+      const CacheSlot slot = slot_location(p.slot_mapping[t], p.block_size);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        std::memcpy(k_cache + (slot.block * p.k_cache_strides.block + h * p.k_cache_strides.head +
+                               slot.offset * p.k_cache_strides.offset) * bytes,
+                    key + (t * p.key_strides.token + h * p.key_strides.head) * bytes,
+                    p.head_dim * bytes);
+        std::memcpy(v_cache + (slot.block * p.v_cache_strides.block + h * p.v_cache_strides.head +
+                               slot.offset * p.v_cache_strides.offset) * bytes,
+                    value + (t * p.value_strides.token + h * p.value_strides.head) * bytes,
+                    p.head_dim_v * bytes);
+      }
+    }
+  });
+}
+
+void paged_kv_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const PagedAppendParams params = make_append_params(key, value, k_cache, v_cache, slot_mapping);
+  check_slot_values(params);
+  append_rows(params);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache,
+                                                       const at::Tensor& block_tables,
+                                                       const at::Tensor& seq_lens,
+                                                       const at::Tensor& cu_seqlens_q, double scale) {
+  PagedAttentionParams params =
+      make_paged_attention_params(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
+  check_paged_index_values(params);
+  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
+  at::Tensor out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
+  at::Tensor lse = at::empty({params.total_q, params.num_heads}, q.options().dtype(acc_dtype));
+  params.out = out.data_ptr();
+  params.out_strides = {out.stride(0), out.stride(1)};
+  params.lse = lse.data_ptr();
+
+  // Split long contexts when sequences x kv heads x query chunks leave threads idle; a
+  // split below 256 keys would cost more in merging than it saves.
+  const int64_t tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
+  const int64_t max_len = params.batch ? *std::max_element(params.seq_lens, params.seq_lens + params.batch) : 0;
+  params.num_kv_splits = std::max<int64_t>(
+      1, std::min((2 * at::get_num_threads() + tasks - 1) / tasks, max_len / 256));
+  at::Tensor partial_out, partial_lse;
+  if (params.num_kv_splits > 1) {
+    partial_out = at::empty({params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v},
+                            q.options().dtype(acc_dtype));
+    partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads},
+                            q.options().dtype(acc_dtype));
+    params.partial_out = partial_out.data_ptr();
+    params.partial_lse = partial_lse.data_ptr();
+  }
+  MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& out_a,
+                                                              const at::Tensor& lse_a,
+                                                              const at::Tensor& out_b,
+                                                              const at::Tensor& lse_b) {
+  MergeStatesParams params = make_merge_params(out_a, lse_a, out_b, lse_b);
+  // Flatten the leading dims to rows; a layout that does not flatten is copied (O(rows)).
+  const at::Tensor rows_a = out_a.reshape({params.rows, params.head_dim});
+  const at::Tensor rows_b = out_b.reshape({params.rows, params.head_dim});
+  const at::Tensor lse_a_rows = lse_a.contiguous();
+  const at::Tensor lse_b_rows = lse_b.contiguous();
+  at::Tensor out = at::empty(out_a.sizes(), out_a.options());
+  at::Tensor lse = at::empty(lse_a.sizes(), lse_a.options());
+  params.out_a = rows_a.data_ptr();
+  params.out_b = rows_b.data_ptr();
+  params.out_a_stride = params.rows > 1 ? rows_a.stride(0) : params.head_dim;
+  params.out_b_stride = params.rows > 1 ? rows_b.stride(0) : params.head_dim;
+  params.lse_a = lse_a_rows.data_ptr();
+  params.lse_b = lse_b_rows.data_ptr();
+  params.out = out.data_ptr();
+  params.out_stride = params.head_dim;
+  params.lse = lse.data_ptr();
+  MHA_EXT_RUN_CPU_KERNEL(merge_attention_states, params);
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mha_ext, CPU, m) {
+  m.impl("paged_kv_append", &paged_kv_append_cpu);
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("merge_attention_states", &merge_attention_states_cpu);
+}
+
+}  // namespace mha_ext::cpu

@@ -1,0 +1,88 @@
+#pragma once
+// Plain parameter structs of the paged KV-cache ops (see attention_params.h for the rules).
+// A cache is [num_blocks, num_kv_heads, block_size, head_dim] read through strides, so the
+// [num_blocks, block_size, num_kv_heads, head_dim] (NHD) layout works through a permuted view.
+#include <cstdint>
+
+#include "mha_ext/attention_params.h"
+
+namespace mha_ext {
+
+struct CacheStrides {
+  int64_t block = 0;
+  int64_t head = 0;
+  int64_t offset = 0;  // position inside a block
+};
+
+// Strides of a [tokens, heads, dim] tensor whose last dim is contiguous.
+struct TokenStrides {
+  int64_t token = 0;
+  int64_t head = 0;
+};
+
+struct PagedAppendParams {
+  const void* key = nullptr;    // [num_tokens, num_kv_heads, head_dim]
+  const void* value = nullptr;  // [num_tokens, num_kv_heads, head_dim_v]
+  void* k_cache = nullptr;      // [num_blocks, num_kv_heads, block_size, head_dim]
+  void* v_cache = nullptr;      // [num_blocks, num_kv_heads, block_size, head_dim_v]
+  const int64_t* slot_mapping = nullptr;  // [num_tokens]; block * block_size + offset, -1 = skip
+  int64_t num_tokens = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t element_size = 0;  // bytes; appending is a copy, so any dtype works
+  TokenStrides key_strides, value_strides;
+  CacheStrides k_cache_strides, v_cache_strides;
+};
+
+struct PagedAttentionParams {
+  DType dtype = DType::kFloat32;
+  const void* q = nullptr;        // [total_q, num_heads, head_dim], queries of all sequences packed
+  const void* k_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* v_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim_v]
+  void* out = nullptr;            // [total_q, num_heads, head_dim_v]
+  void* lse = nullptr;            // [total_q, num_heads] contiguous, accumulation type
+  const int32_t* block_tables = nullptr;  // [batch, max_blocks_per_seq]
+  const int32_t* seq_lens = nullptr;      // [batch]: cached tokens, the new ones included
+  const int32_t* cu_seqlens_q = nullptr;  // [batch + 1]: sequence b owns q rows [cu[b], cu[b+1])
+  int64_t batch = 0;
+  int64_t max_blocks_per_seq = 0;
+  int64_t block_table_stride = 0;
+  int64_t total_q = 0;
+  int64_t max_queries_per_seq = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+  int64_t block_size = 0;
+  int64_t num_blocks = 0;  // blocks in the cache
+  TokenStrides q_strides, out_strides;
+  CacheStrides k_cache_strides, v_cache_strides;
+  double scale = 1.0;
+
+  // Split-K over long contexts: each split attends to a slice of the keys and leaves a
+  // normalised partial output and its logsumexp, merged afterwards by logsumexp.
+  // Workspaces in the accumulation type: partial_out [num_kv_splits, total_q, num_heads,
+  // head_dim_v], partial_lse [num_kv_splits, total_q, num_heads]; unused when 1 split.
+  int64_t num_kv_splits = 1;
+  void* partial_out = nullptr;
+  void* partial_lse = nullptr;
+};
+
+struct MergeStatesParams {
+  DType dtype = DType::kFloat32;
+  const void* out_a = nullptr;  // [rows, head_dim] (rows = the leading dims flattened)
+  const void* out_b = nullptr;
+  const void* lse_a = nullptr;  // [rows], accumulation type
+  const void* lse_b = nullptr;
+  void* out = nullptr;
+  void* lse = nullptr;
+  int64_t rows = 0;
+  int64_t head_dim = 0;
+  // Row strides of the [rows, head_dim] views (the leading dims must flatten to one stride).
+  int64_t out_a_stride = 0, out_b_stride = 0, out_stride = 0;
+};
+
+}  // namespace mha_ext
