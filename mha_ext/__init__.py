@@ -5,6 +5,8 @@
     out, lse = mha_ext.attention(q, k, v, causal="bottom_right", window=(256, 0),
                                  return_lse=True)                          # full feature set
     layer = mha_ext.MultiHeadAttention(d_model=512, num_heads=8, num_kv_heads=2)
+    cache = mha_ext.PagedKVCache(num_layers=1, num_blocks=256, block_size=16,
+                                 num_kv_heads=2, head_dim=64)                # generation
 """
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
@@ -14,22 +16,33 @@ from .functional import (
     attention_probs,
     draw_dropout_seed,
     dropout_mask,
+    merge_attention_states,
+    paged_attention,
+    paged_kv_append,
     scaled_dot_product_attention,
+    slot_mapping_for,
 )
+from .kv_cache import CacheBatch, PagedKVCache
 from .modules import PRESETS, AttentionConfig, MultiHeadAttention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionConfig",
+    "CacheBatch",
     "MultiHeadAttention",
     "PRESETS",
+    "PagedKVCache",
     "attention",
     "attention_probs",
     "build_info",
     "draw_dropout_seed",
     "dropout_mask",
+    "merge_attention_states",
+    "paged_attention",
+    "paged_kv_append",
     "scaled_dot_product_attention",
+    "slot_mapping_for",
 ]
 
 

@@ -2,8 +2,9 @@
 
 Builds a small character-level transformer on mha_ext.MultiHeadAttention (grouped-query
 attention, causal), trains it for a few steps on the text that ships with the package,
-prints the loss, then times mha_ext's fused attention against torch SDPA and the textbook
-reference on a GPT-2-small-sized attention layer.
+prints the loss, generates text from a batch of prompts through the paged KV cache, then
+times mha_ext's fused attention against torch SDPA and the textbook reference on a
+GPT-2-small-sized attention layer.
 """
 import argparse
 import time
@@ -14,44 +15,17 @@ from torch import nn
 
 import mha_ext
 from mha_ext.benchmark import AttentionCase, format_table, time_case
+from mha_ext.models import CausalLM
+
+PROMPTS = ["Attention ", "The cache ", "A fused kernel "]
 
 
-class Block(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, dropout: float):
-        super().__init__()
-        self.norm_attn = nn.LayerNorm(d_model)
-        self.attn = mha_ext.MultiHeadAttention(d_model, num_heads, dropout=dropout, num_kv_heads=num_kv_heads)
-        self.norm_mlp = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-
-    def forward(self, x):  # (B, T, d_model)
-        h = self.norm_attn(x)
-        x = x + self.attn(h, h, h, is_causal=True)
-        return x + self.mlp(self.norm_mlp(x))
-
-
-class TinyLM(nn.Module):
-    """A pre-norm decoder-only transformer over characters."""
-
-    def __init__(self, vocab: int, context: int, d_model=128, num_heads=4, num_kv_heads=2, layers=2, dropout=0.1):
-        super().__init__()
-        self.token = nn.Embedding(vocab, d_model)
-        self.position = nn.Embedding(context, d_model)
-        self.blocks = nn.Sequential(*(Block(d_model, num_heads, num_kv_heads, dropout) for _ in range(layers)))
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token(tokens) + self.position(positions)
-        return self.head(self.norm(self.blocks(x)))
-
-
-def train(steps: int, batch: int, context: int) -> float:
+def train(steps: int, batch: int, context: int):
+    """Trains a CausalLM on the shipped text; returns (model, alphabet)."""
     text = resources.files("mha_ext").joinpath("data/attention.txt").read_text()
     alphabet = sorted(set(text))
     data = torch.tensor([alphabet.index(c) for c in text])
-    model = TinyLM(len(alphabet), context)
+    model = CausalLM(len(alphabet), context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     print(f"training a {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k-parameter transformer "
           f"(2 layers, 4 query heads sharing 2 kv heads) on {len(text)} characters of shipped text")
@@ -68,7 +42,18 @@ def train(steps: int, batch: int, context: int) -> float:
             print(f"  step {step:4d}  loss {loss.item():.3f}")
     elapsed = time.perf_counter() - start
     print(f"  {steps * batch * context / elapsed:.0f} tokens/s of training")
-    return loss.item()
+    return model.eval(), alphabet
+
+
+def generate(model: CausalLM, alphabet, new_tokens: int):
+    prompts = [[alphabet.index(c) for c in prompt] for prompt in PROMPTS]
+    start = time.perf_counter()
+    outputs = model.generate(prompts, new_tokens, block_size=16)
+    elapsed = time.perf_counter() - start
+    print(f"\ngreedy generation, {len(prompts)} prompts batched through the paged KV cache:")
+    for prompt, tokens in zip(PROMPTS, outputs):
+        print(f"  {prompt!r} -> {''.join(alphabet[t] for t in tokens)!r}")
+    print(f"  {len(prompts) * new_tokens / elapsed:.0f} tokens/s generated")
 
 
 def compare_speed(quick: bool):
@@ -91,7 +76,8 @@ def main():
     info = mha_ext.build_info()
     print(f"mha_ext {info['version']} (torch {info['torch_version']}, CPU kernels: {info['cpu_isa']}, "
           f"CUDA archs: {', '.join(info['cuda_archs']) or 'none'})")
-    train(args.steps, batch=16, context=64)
+    model, alphabet = train(args.steps, batch=16, context=64)
+    generate(model, alphabet, new_tokens=24 if args.quick else 48)
     compare_speed(args.quick)
 
 

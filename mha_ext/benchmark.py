@@ -71,26 +71,29 @@ def _step(case: AttentionCase, attend: Callable):
     return step
 
 
-def time_case(case: AttentionCase, contenders: List[str], warmup: int = 1, repeats: int = 5) -> Dict:
-    """Median seconds and GFLOP/s per contender, plus each one's speed relative to torch SDPA."""
-    steps = {name: _step(case, CONTENDERS[name]) for name in contenders}
+def median_seconds(steps: Dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 5) -> Dict[str, float]:
+    """Median wall time of each step, the steps run interleaved repeat by repeat."""
     for step in steps.values():
         for _ in range(warmup):
             step()
-    samples = {name: [] for name in contenders}
+    samples = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def time_case(case: AttentionCase, contenders: List[str], warmup: int = 1, repeats: int = 5) -> Dict:
+    """Median seconds and GFLOP/s per contender, plus each one's speed relative to torch SDPA."""
+    seconds = median_seconds({name: _step(case, CONTENDERS[name]) for name in contenders}, warmup, repeats)
     result = {**asdict(case), "dtype": str(case.dtype).replace("torch.", ""), "results": {}}
     for name in contenders:
-        seconds = statistics.median(samples[name])
-        result["results"][name] = {"seconds": seconds, "gflops": case.flops / seconds / 1e9}
+        result["results"][name] = {"seconds": seconds[name], "gflops": case.flops / seconds[name] / 1e9}
     if "torch_sdpa" in contenders:
-        baseline = result["results"]["torch_sdpa"]["seconds"]
         for entry in result["results"].values():
-            entry["speedup_vs_torch_sdpa"] = baseline / entry["seconds"]
+            entry["speedup_vs_torch_sdpa"] = seconds["torch_sdpa"] / entry["seconds"]
     return result
 
 

@@ -187,3 +187,64 @@ def attention_probs(
     # A row that sees no key has lse -inf and scores -inf: subtracting 0 keeps it at 0.
     finite_lse = torch.where(lse == float("-inf"), 0.0, lse)
     return torch.exp(scores - finite_lse[..., None]).to(q.dtype)
+
+
+def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Writes new keys and values into a paged cache, in place.
+
+    Args:
+        key: (num_tokens, num_kv_heads, head_dim); value: (num_tokens, num_kv_heads, head_dim_v).
+        k_cache, v_cache: (num_blocks, num_kv_heads, block_size, head_dim[_v]); any strides with
+            a contiguous last dim, so a (num_blocks, block_size, num_kv_heads, head_dim) cache
+            works through .transpose(1, 2).
+        slot_mapping: (num_tokens,) int64, block * block_size + offset per token; -1 skips the
+            token (padding). Every slot is checked before anything is written: a slot outside
+            the cache raises and leaves the cache untouched.
+    """
+    ops.paged_kv_append(key, value, k_cache, v_cache, slot_mapping)
+
+
+def slot_mapping_for(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Slots (int64) of token positions of one sequence whose blocks are `block_table`."""
+    block_table = torch.as_tensor(block_table, device=positions.device)
+    return block_table[positions // block_size].to(torch.int64) * block_size + positions % block_size
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    *,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention for a batch of sequences of different lengths over a paged cache.
+
+    Args:
+        q: (total_q, num_heads, head_dim): the queries of all sequences, packed.
+        k_cache, v_cache: as in paged_kv_append; num_kv_heads divides num_heads (GQA/MQA).
+        block_tables: (batch, max_blocks) int32, the cache blocks of each sequence in order.
+        seq_lens: (batch,) int32, cached tokens of each sequence, the new ones included.
+        cu_seqlens_q: (batch + 1,) int32: sequence b owns q rows [cu[b], cu[b + 1]). One
+            query per sequence is decode, several is chunked prefill; the queries are the last
+            tokens of their sequence and attend causally (bottom-right).
+        scale: default 1 / sqrt(head_dim).
+        return_lse: also return the logsumexp (total_q, num_heads), fp32 (fp64 for fp64).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, lse = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Combines two attentions over disjoint key sets into the attention over both.
+
+    out_a, out_b: (..., head_dim), each normalised over its own keys; lse_a, lse_b: (...)
+    their logsumexps (fp32; fp64 for fp64), as attention(..., return_lse=True) and
+    paged_attention(..., return_lse=True) return them. A side with lse -inf (no keys) drops
+    out exactly. Differentiable in all four inputs.
+    """
+    return ops.merge_attention_states(out_a, lse_a, out_b, lse_b)

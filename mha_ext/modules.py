@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional
+from .kv_cache import CacheBatch, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,29 @@ class MultiHeadAttention(nn.Module):
             weights = None if weights is None else weights * per_head
         out = self.w_o(out.transpose(1, 2).reshape(batch, -1, self.d_model))  # (B, Sq, d_model)
         return (out, weights) if need_weights else out
+
+    def forward_paged(self, x: Tensor, cache: PagedKVCache, layer: int, batch: CacheBatch) -> Tensor:
+        """Self-attention of new tokens through a paged KV cache (prefill, chunked prefill or
+        decode): their keys and values are appended in place to the cache of `layer`, and each
+        new token attends causally to its sequence's cached tokens, itself included.
+
+        Args:
+            x: (new_tokens, d_model), the new tokens of all sequences of `batch` packed in
+                order (batch.cu_seqlens_q says which rows belong to which sequence).
+            batch: from cache.prepare(seq_ids, new_token_counts) for this step.
+
+        Returns:
+            (new_tokens, d_model).
+        """
+        query = self.w_q(x).unflatten(-1, (self.num_heads, self.d_k))  # (T, H, d_k)
+        key = self.w_k(x).unflatten(-1, (self.num_kv_heads, self.d_k))  # (T, Hkv, d_k)
+        value = self.w_v(x).unflatten(-1, (self.num_kv_heads, self.d_k))  # (T, Hkv, d_k)
+        k_cache, v_cache = cache.key_caches[layer], cache.value_caches[layer]
+        functional.paged_kv_append(key, value, k_cache, v_cache, batch.slot_mapping)
+        out = functional.paged_attention(
+            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q
+        )  # (T, H, d_k)
+        return self.w_o(out.flatten(-2))
 
     def _head_factors(self, head_mask: Tensor, batch: int) -> Tensor:
         shape = tuple(head_mask.shape)

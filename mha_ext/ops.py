@@ -62,6 +62,24 @@ def dropout_mask(
     return _ops.dropout_mask.default(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p)
 
 
+def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Writes key/value rows into the caches in place at slot_mapping (-1 skips a token)."""
+    _ops.paged_kv_append.default(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    cu_seqlens_q: Tensor, scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """Attention of packed queries over paged caches; returns (out, lse)."""
+    return _ops.paged_attention.default(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+
+
+def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Combines two partial attentions over disjoint keys; returns (out, lse)."""
+    return _ops.merge_attention_states.default(out_a, lse_a, out_b, lse_b)
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The logsumexp dtype of attention on `dtype` inputs: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -90,6 +108,49 @@ def _attention_backward_fake(grad_out, grad_lse, q, k, v, *args):
 @torch.library.register_fake("mha_ext::dropout_mask")
 def _dropout_mask_fake(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p):
     return dropout_seed.new_empty(batch, num_heads, seq_q, seq_k, dtype=torch.bool)
+
+
+@torch.library.register_fake("mha_ext::paged_kv_append")
+def _paged_kv_append_fake(key, value, k_cache, v_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("mha_ext::paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+    total_q, heads, _ = q.shape
+    out = q.new_empty(total_q, heads, v_cache.shape[-1])
+    return out, q.new_empty(total_q, heads, dtype=lse_dtype(q.dtype))
+
+
+@torch.library.register_fake("mha_ext::merge_attention_states")
+def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b):
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
+
+
+def _merge_setup_context(ctx, inputs, output):
+    out_a, lse_a, out_b, lse_b = inputs
+    out, lse = output
+    ctx.save_for_backward(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_backward(ctx, grad_out, grad_lse):
+    # out = w_a out_a + w_b out_b with w_x = exp(lse_x - lse), so
+    # d out / d lse_x = w_x (out_x - out) and d lse / d lse_x = w_x. An empty side has w = 0
+    # and gets zero gradients even if its output holds garbage.
+    out_a, lse_a, out_b, lse_b, out, lse = ctx.saved_tensors
+    grads = []
+    for out_x, lse_x in ((out_a, lse_a), (out_b, lse_b)):
+        weight = torch.where(lse_x == float("-inf"), 0.0, torch.exp(lse_x - lse))
+        spread = (grad_out * (out_x - out)).sum(-1).to(lse.dtype)
+        grad_lse_x = torch.where(weight == 0, 0.0, weight * (spread + grad_lse))
+        grad_out_x = torch.where(weight[..., None] == 0, 0.0, weight[..., None].to(out.dtype) * grad_out)
+        grads += [grad_out_x, grad_lse_x]
+    return tuple(grads)
+
+
+torch.library.register_autograd(
+    "mha_ext::merge_attention_states", _merge_backward, setup_context=_merge_setup_context
+)
 
 
 def _attention_setup_context(ctx, inputs, output):

@@ -1,0 +1,341 @@
+"""Paged KV cache: in-place append, paged attention, state merging, allocator, generation."""
+import pytest
+import torch
+
+import mha_ext
+from mha_ext.models import CausalLM
+from mha_ext.reference import attention_reference
+
+from conftest import OUTPUT_FACTOR, assert_within_rule
+
+
+def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, layout="HND", fill=None):
+    generator = torch.Generator().manual_seed(5)
+    shape = (num_blocks, kv_heads, block_size, head_dim) if layout == "HND" else (num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=generator).to(dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    return cache if layout == "HND" else cache.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- append
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_append_writes_exactly_the_addressed_slots(layout, block_size, dtype):
+    num_blocks, kv_heads, head_dim = 6, 2, 8
+    k_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, layout)
+    v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim + 4, dtype, layout)
+    capacity = num_blocks * block_size
+    slots = torch.tensor([3, -1, capacity - 1, 0, -1][: min(5, capacity + 2)], dtype=torch.int64)
+    slots = torch.where(slots >= capacity, -1, slots)
+    key = torch.randn(len(slots), kv_heads, head_dim).to(dtype)
+    value = torch.randn(len(slots), kv_heads, head_dim + 4).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, :, slot % block_size] = key[token]
+            expected_v[slot // block_size, :, slot % block_size] = value[token]
+    mha_ext.paged_kv_append(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_append_takes_strided_keys():
+    k_cache = make_cache(4, 2, 4, 8)
+    v_cache = make_cache(4, 2, 4, 8)
+    fused = torch.randn(3, 2, 16)  # keys and values side by side, as one projection gives them
+    key, value = fused[..., :8], fused[..., 8:]
+    mha_ext.paged_kv_append(key, value, k_cache, v_cache, torch.tensor([5, 6, 15]))
+    assert torch.equal(k_cache[1, :, 1], key[0]) and torch.equal(v_cache[3, :, 3], value[2])
+
+
+@pytest.mark.parametrize("bad_slot", [16, 1000, -2])
+def test_out_of_range_slot_raises_and_changes_nothing(bad_slot):
+    k_cache, v_cache = make_cache(4, 2, 4, 8), make_cache(4, 2, 4, 8)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([0, 1, bad_slot, 2])
+    with pytest.raises(RuntimeError, match=rf"slot_mapping\[2\] = {bad_slot} is outside the cache's 16 slots \(4 blocks x 4\)"):
+        mha_ext.paged_kv_append(torch.randn(4, 2, 8), torch.randn(4, 2, 8), k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.int32), before_k.view(torch.int32))
+    assert torch.equal(v_cache.view(torch.int32), before_v.view(torch.int32))
+
+
+def test_append_argument_errors():
+    k_cache, v_cache = make_cache(4, 2, 4, 8), make_cache(4, 2, 4, 8)
+    key, value, slots = torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.tensor([0, 1, 2])
+    append = mha_ext.paged_kv_append
+    with pytest.raises(RuntimeError, match=r"key and value have 3 and 2 kv heads but the cache has 2"):
+        append(torch.randn(3, 3, 8), value, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match=r"key has head_dim 6 but k_cache has 8"):
+        append(key[..., :6], value, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match=r"key has dtype torch.bfloat16 but k_cache has torch.float32"):
+        append(key.bfloat16(), value, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match=r"slot_mapping must be torch.int64, got torch.int32"):
+        append(key, value, k_cache, v_cache, slots.int())
+    with pytest.raises(RuntimeError, match=r"one entry per token, got 3, 3 and 2"):
+        append(key, value, k_cache, v_cache, slots[:2])
+    with pytest.raises(RuntimeError, match=r"k_cache and v_cache must agree in \[num_blocks, num_kv_heads, block_size\]"):
+        append(key, value, k_cache, make_cache(5, 2, 4, 8), slots)
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def build_paged(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32, shuffle=True, seed=0):
+    """A cache holding sequences of the given lengths at scattered blocks, NaN everywhere
+    else, plus the packed queries and the contiguous K/V of each sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_seq) + 3  # three blocks nobody uses
+    k_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
+    v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
+    # The shuffle draws from its own generator, so the data is the same either way.
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 1)) if shuffle else torch.arange(num_blocks)
+    tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for b, n in enumerate(lengths):
+        tables[b, : blocks_per_seq[b]] = order[used: used + blocks_per_seq[b]].int()
+        used += blocks_per_seq[b]
+        k = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        slots = mha_ext.slot_mapping_for(tables[b], torch.arange(n), block_size)
+        mha_ext.paged_kv_append(k, v, k_cache, v_cache, slots)
+        keys.append(k)
+        values.append(v)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(queries).cumsum(0)
+    q = torch.randn(int(cu[-1]), heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), cu, keys, values
+
+
+def check_against_reference(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32):
+    q, k_cache, v_cache, tables, seq_lens, cu, keys, values = build_paged(
+        lengths, queries, heads, kv_heads, head_dim, block_size, dtype)
+    out, lse = mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:2] and torch.isfinite(out).all()
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        # (tokens, heads, dim) -> (1, heads, tokens, dim)
+        q_b, k_b, v_b = (t.transpose(0, 1)[None] for t in (q[rows], keys[b], values[b]))
+        ref, ref_lse = attention_reference(q_b.double(), k_b.double(), v_b.double(), causal="bottom_right")
+        plain, _ = attention_reference(q_b, k_b, v_b, causal="bottom_right")
+        assert_within_rule(out[rows].transpose(0, 1)[None], ref, plain, OUTPUT_FACTOR, f"sequence {b}")
+        torch.testing.assert_close(lse[rows].transpose(0, 1)[None].double(), ref_lse, rtol=1e-5, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("mode", ["decode", "chunked_prefill"])
+def test_paged_attention_matches_reference(heads, block_size, mode):
+    # Lengths include 1, exact multiples of the block size and ragged ones.
+    lengths = [1, 16, 33, 256, 300]
+    queries = [1] * 5 if mode == "decode" else [1, 16, 7, 100, 64]
+    check_against_reference(lengths, queries, *heads, 64, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_paged_attention_dtypes(dtype):
+    check_against_reference([5, 70, 129], [5, 1, 30], 4, 2, 40, 16, dtype)
+
+
+def test_long_context_split_across_threads():
+    # One sequence and one kv head leave threads idle: the keys are split and merged by lse.
+    check_against_reference([3000], [1], 4, 1, 64, 16)
+    check_against_reference([2500, 7], [3, 1], 8, 1, 128, 32)
+
+
+def test_shuffled_block_table_is_bitwise_identical():
+    args = ([40, 129, 7], [1, 9, 7], 8, 2, 64, 16)
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(*args, shuffle=False)
+    q2, k_cache2, v_cache2, tables2, _, _, _, _ = build_paged(*args, shuffle=True)
+    assert not torch.equal(tables, tables2) and torch.equal(q, q2)
+    first = mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu)
+    second = mha_ext.paged_attention(q2, k_cache2, v_cache2, tables2, seq_lens, cu)
+    assert torch.equal(first, second)
+
+
+def test_nhd_cache_layout():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
+    k_nhd = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    v_nhd = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not k_nhd.is_contiguous()
+    torch.testing.assert_close(
+        mha_ext.paged_attention(q, k_nhd, v_nhd, tables, seq_lens, cu),
+        mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu), rtol=0, atol=0,
+    )
+
+
+def test_paged_attention_argument_errors():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
+    attend = mha_ext.paged_attention
+    with pytest.raises(RuntimeError, match=r"the cache has 2 kv heads, which does not divide q's 3 heads"):
+        attend(q[:, :3], k_cache, v_cache, tables, seq_lens, cu)
+    with pytest.raises(RuntimeError, match=r"q has head_dim 16 but k_cache has 32"):
+        attend(q[..., :16].contiguous(), k_cache, v_cache, tables, seq_lens, cu)
+    with pytest.raises(RuntimeError, match=r"q has dtype torch.bfloat16 but k_cache has torch.float32"):
+        attend(q.bfloat16(), k_cache, v_cache, tables, seq_lens, cu)
+    with pytest.raises(RuntimeError, match=r"block_tables must be torch.int32, got torch.int64"):
+        attend(q, k_cache, v_cache, tables.long(), seq_lens, cu)
+    with pytest.raises(RuntimeError, match=r"seq_lens must have shape \[2\]"):
+        attend(q, k_cache, v_cache, tables, seq_lens[:1], cu)
+    bad_tables = tables.clone()
+    bad_tables[1, 2] = 999
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 2\] = 999 is outside the cache's \d+ blocks"):
+        attend(q, k_cache, v_cache, bad_tables, seq_lens, cu)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 80 exceeds what a block table row holds: 7 blocks x 8 = 56"):
+        attend(q, k_cache, v_cache, tables, torch.tensor([20, 80], dtype=torch.int32), cu)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_q must not decrease, got cu_seqlens_q\[0\] = 0 > cu_seqlens_q\[1\] = -1"):
+        attend(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, -1, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_q must start at 0 and end at total_q = 5, got 0 and 4"):
+        attend(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 1, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 3 queries but seq_lens\[0\] = 2"):
+        attend(q, k_cache, v_cache, tables, torch.tensor([2, 50], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- merging states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_merging_two_key_sets_equals_attention_over_both(dtype):
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 9, 32, generator=generator).to(dtype) for _ in range(3))
+    k2, v2 = (torch.randn(2, 4, 13, 32, generator=generator).to(dtype) for _ in range(2))
+    out_a, lse_a = mha_ext.attention(q, k, v, return_lse=True)
+    out_b, lse_b = mha_ext.attention(q, k2, v2, return_lse=True)
+    merged, lse = mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    whole, whole_lse = mha_ext.attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), return_lse=True)
+    tolerance = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(merged, whole, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_merging_with_an_empty_state_is_exact():
+    out = torch.randn(3, 5, 16)
+    lse = torch.randn(3, 5)
+    garbage = torch.full_like(out, float("nan"))
+    empty = torch.full_like(lse, float("-inf"))
+    merged, merged_lse = mha_ext.merge_attention_states(out, lse, garbage, empty)
+    assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
+    merged, merged_lse = mha_ext.merge_attention_states(garbage, empty, out, lse)
+    assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
+    both, both_lse = mha_ext.merge_attention_states(garbage, empty, garbage, empty)
+    assert (both == 0).all() and (both_lse == float("-inf")).all()
+
+
+def test_merge_gradcheck_and_errors():
+    generator = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
+              torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_(),
+              torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
+              torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_()]
+    assert torch.autograd.gradcheck(mha_ext.merge_attention_states, inputs)
+    out, lse = torch.randn(3, 5, 16), torch.randn(3, 5)
+    with pytest.raises(RuntimeError, match=r"out_a and out_b must have one shape \(..., head_dim\), got \[3, 5, 16\] and \[3, 5, 8\]"):
+        mha_ext.merge_attention_states(out, lse, out[..., :8], lse)
+    with pytest.raises(RuntimeError, match=r"lse_b must be a torch.float32 tensor of shape \[3, 5\] on cpu, got torch.float64 of shape \[3, 5\]"):
+        mha_ext.merge_attention_states(out, lse, out, lse.double())
+
+
+def test_paged_ops_opcheck():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8, seed=3)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    torch.library.opcheck(torch.ops.mha_ext.paged_attention.default, (q, k_cache, v_cache, tables, seq_lens, cu, 0.2))
+    torch.library.opcheck(torch.ops.mha_ext.paged_kv_append.default,
+                          (torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, v_cache, torch.tensor([0, -1, 9])))
+    out, lse = torch.randn(4, 2, 16), torch.randn(4, 2)
+    torch.library.opcheck(torch.ops.mha_ext.merge_attention_states.default, (out, lse, torch.randn(4, 2, 16), torch.randn(4, 2)))
+
+
+# ---------------------------------------------------------------- allocator
+
+
+def test_allocator_extends_frees_and_reuses_blocks():
+    cache = mha_ext.PagedKVCache(1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4)
+    a, b = cache.allocate(), cache.allocate()
+    batch = cache.prepare([a, b], [6, 1])
+    assert cache.block_table(a) == [0, 1] and cache.block_table(b) == [2]
+    assert batch.slot_mapping.tolist() == [0, 1, 2, 3, 4, 5, 8]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 0]
+    assert batch.seq_lens.tolist() == [6, 1] and batch.cu_seqlens_q.tolist() == [0, 6, 7]
+    batch = cache.prepare([a], [3])  # fills block 1, then one new block
+    assert batch.slot_mapping.tolist() == [6, 7, 12] and cache.seq_len(a) == 9
+    cache.free(a)
+    assert cache.num_free_blocks == 7
+    c = cache.allocate()
+    cache.prepare([c], [1])
+    assert cache.block_table(c) == [3]
+
+
+def test_fork_shares_blocks_and_copies_a_shared_partial_block_on_write():
+    cache = mha_ext.PagedKVCache(2, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=2)
+    parent = cache.allocate()
+    batch = cache.prepare([parent], [6])  # blocks [0, 1], block 1 half full
+    for layer in range(2):
+        k = torch.arange(12.0).view(6, 1, 2) + 100 * layer
+        mha_ext.paged_kv_append(k, -k, cache.key_caches[layer], cache.value_caches[layer], batch.slot_mapping)
+    child = cache.fork(parent)
+    assert cache.block_table(child) == [0, 1] and cache.num_free_blocks == 6
+    batch = cache.prepare([child], [1])  # block 1 is shared and partial: copy before writing
+    private = cache.block_table(child)[1]
+    assert cache.block_table(child)[0] == 0 and private not in (0, 1)
+    assert cache.block_table(parent) == [0, 1]
+    assert batch.slot_mapping.tolist() == [private * 4 + 2]
+    for layer in range(2):
+        assert torch.equal(cache.key_caches[layer][private, :, :2], cache.key_caches[layer][1, :, :2])
+        assert torch.equal(cache.value_caches[layer][private, :, :2], cache.value_caches[layer][1, :, :2])
+    cache.free(parent)  # block 0 stays: the child still holds it
+    assert cache.num_free_blocks == 6
+    cache.free(child)
+    assert cache.num_free_blocks == 8
+
+
+def test_exhaustion_raises_before_anything_changes():
+    cache = mha_ext.PagedKVCache(1, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=2)
+    a, b = cache.allocate(), cache.allocate()
+    cache.prepare([a], [5])
+    with pytest.raises(RuntimeError, match=r"out of blocks: this step needs 2 new blocks but only 1 of 3 are free"):
+        cache.prepare([a, b], [1, 5])
+    assert cache.seq_len(a) == 5 and cache.seq_len(b) == 0 and cache.num_free_blocks == 1
+    assert cache.block_table(a) == [0, 1] and cache.block_table(b) == []
+    with pytest.raises(KeyError, match=r"unknown sequence 7"):
+        cache.prepare([7], [1])
+    with pytest.raises(ValueError, match=r"layout must be 'HND' or 'NHD', got 'HDN'"):
+        mha_ext.PagedKVCache(1, 3, 4, 1, 2, layout="HDN")
+
+
+# ---------------------------------------------------------------- module and generation
+
+
+def test_module_paged_forward_matches_full_attention():
+    torch.manual_seed(0)
+    layer = mha_ext.MultiHeadAttention(64, 8, dropout=0.0, num_kv_heads=2).eval()
+    cache = mha_ext.PagedKVCache(1, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layout="NHD")
+    x = [torch.randn(11, 64), torch.randn(5, 64)]
+    seqs = [cache.allocate(), cache.allocate()]
+    # Chunked prefill: 7 + 3 tokens, then 4 + 2 more, then one decode step each.
+    outputs = [[], []]
+    for chunk in ([7, 3], [4, 1], [0, 1]):
+        starts = [cache.seq_len(s) for s in seqs]
+        batch = cache.prepare(seqs, chunk)
+        packed = torch.cat([x[i][starts[i]:starts[i] + chunk[i]] for i in range(2)])
+        out = layer.forward_paged(packed, cache, 0, batch)
+        for i, piece in enumerate(out.split(chunk)):
+            outputs[i].append(piece)
+    for i in range(2):
+        length = cache.seq_len(seqs[i])
+        full = layer(x[i][None, :length], x[i][None, :length], x[i][None, :length], is_causal=True)[0]
+        torch.testing.assert_close(torch.cat(outputs[i]), full, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_equals_recomputing_full_attention():
+    torch.manual_seed(0)
+    model = CausalLM(vocab_size=40, context=48).eval()
+    prompts = [[1, 2, 3], [7], list(range(10, 26)), [5] * 8]
+    generated = model.generate(prompts, max_new_tokens=12, block_size=4)
+    for prompt, new_tokens in zip(prompts, generated):
+        tokens = list(prompt)
+        for _ in range(12):
+            with torch.no_grad():
+                tokens.append(model(torch.tensor([tokens]))[0, -1].argmax().item())
+        assert new_tokens == tokens[len(prompt):]
