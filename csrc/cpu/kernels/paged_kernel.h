@@ -12,6 +12,8 @@
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
 
+#include <type_traits>
+
 #include "blocking.h"
 #include "kernel_common.h"
 #include "mha_ext/paged_cache.h"
@@ -21,6 +23,14 @@
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
+// Row `position` of a sequence's keys or values for one kv head, found through its block table.
+template <typename scalar_t>
+const scalar_t* cache_row(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
+                          int64_t block_size, int64_t kv_head, int64_t position) {
+  const CacheSlot slot = slot_location(slot_of_position(block_table, position, block_size), block_size);
+  return cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
+}
+
 // Rows [first, first + count) of a paged K or V cache for one sequence and kv head, copied
 // like load_rows (or transposed into [dim, ld] when kTranspose).
 template <bool kTranspose, typename scalar_t, typename acc_t>
@@ -28,15 +38,45 @@ void gather_cache_rows(const scalar_t* cache, const CacheStrides& strides, const
                        int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
                        int64_t dim, acc_t* dst, int64_t ld) {
   for (int64_t r = 0; r < count; ++r) {
-    const CacheSlot slot = slot_location(slot_of_position(block_table, first + r, block_size), block_size);
-    const scalar_t* row = cache + slot.block * strides.block + kv_head * strides.head +
-                          slot.offset * strides.offset;
+    const scalar_t* row = cache_row(cache, strides, block_table, block_size, kv_head, first + r);
     if (kTranspose) {
       for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = static_cast<acc_t>(row[d]);
     } else {
       load_rows(row, 0, 1, dim, dst + r * ld, ld);
     }
   }
+}
+
+// One cached row in the accumulation type: the cache itself when the types agree, else a
+// converted copy in `buffer`.
+template <typename scalar_t, typename acc_t>
+const acc_t* cache_row_as(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
+                          int64_t block_size, int64_t kv_head, int64_t position, int64_t dim,
+                          acc_t* buffer) {
+  const scalar_t* row = cache_row(cache, strides, block_table, block_size, kv_head, position);
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return row;
+  } else {
+    load_rows(row, 0, 1, dim, buffer, dim);
+    return buffer;
+  }
+}
+
+// Up to this many tile rows (decode: the heads of one GQA group), keys and values are used
+// row by row straight from the cache; gathering them into K^T / V tiles for the GEMM costs
+// more than the GEMM saves when it feeds so few rows.
+constexpr int64_t kDirectRows = 4;
+
+template <typename acc_t>
+acc_t dot_product(const acc_t* a, const acc_t* b, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec acc(acc_t(0));
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  }
+  if (i < n) acc = at::vec::fmadd(Vec::loadu(a + i, n - i), Vec::loadu(b + i, n - i), acc);
+  return at::vec::vec_reduce_all<acc_t>([](Vec& x, Vec& y) { return x + y; }, acc);
 }
 
 template <typename scalar_t>
@@ -101,12 +141,22 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
 
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
-        gather_cache_rows<true>(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
-                                key0, cols, p.head_dim, kt_tile, kBlockK);
-        gather_cache_rows<false>(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
-                                 key0, cols, p.head_dim_v, v_tile, ld_dv);
-        // S = Q K^T   [rows, cols]
-        tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+        const bool direct = rows <= kDirectRows;
+        if (direct) {
+          // S[:, c] = Q k_c, one cached key row at a time: no K^T tile to build.
+          for (int64_t c = 0; c < cols; ++c) {
+            const acc_t* k_row = cache_row_as(k_cache, p.k_cache_strides, block_table, p.block_size,
+                                              kv_head, key0 + c, p.head_dim, kt_tile);
+            for (int64_t r = 0; r < rows; ++r) {
+              s_tile[r * kBlockK + c] = dot_product(q_tile + r * ld_d, k_row, p.head_dim);
+            }
+          }
+        } else {
+          gather_cache_rows<true>(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
+                                  key0, cols, p.head_dim, kt_tile, kBlockK);
+          // S = Q K^T   [rows, cols]
+          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* s = s_tile + r * kBlockK;
           const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
@@ -114,8 +164,24 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           std::fill(s + visible, s + cols, kMinusInf);
           online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
         }
-        // O += P V   [rows, head_dim_v]
-        tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+        if (direct) {
+          // O[r] += P[r, c] v_c, one cached value row at a time.
+          for (int64_t c = 0; c < cols; ++c) {
+            const acc_t* v_row = cache_row_as(v_cache, p.v_cache_strides, block_table, p.block_size,
+                                              kv_head, key0 + c, p.head_dim_v, v_tile);
+            for (int64_t r = 0; r < rows; ++r) {
+              const acc_t weight = s_tile[r * kBlockK + c];
+              acc_t* o = o_tile + r * ld_dv;
+              at::vec::map2([weight](Vec acc, Vec v) { return at::vec::fmadd(Vec(weight), v, acc); },
+                            o, o, v_row, p.head_dim_v);
+            }
+          }
+        } else {
+          gather_cache_rows<false>(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
+                                   key0, cols, p.head_dim_v, v_tile, ld_dv);
+          // O += P V   [rows, head_dim_v]
+          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+        }
       }
 
       for (int64_t r = 0; r < rows; ++r) {
