@@ -69,7 +69,7 @@ def compare_speed(quick: bool):
 
 def main():
     parser = argparse.ArgumentParser(description="mha_ext demonstration")
-    parser.add_argument("--steps", type=int, default=60, help="training steps")
+    parser.add_argument("--steps", type=int, default=250, help="training steps")
     parser.add_argument("--quick", action="store_true", help="smaller speed comparison")
     args = parser.parse_args()
     torch.manual_seed(0)
