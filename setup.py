@@ -79,6 +79,7 @@ def cpu_sources():
         "csrc/paged_checks.cpp",
         "csrc/cpu/attention_cpu.cpp",
         "csrc/cpu/paged_cpu.cpp",
+        "csrc/cpu/kernels/append.cpp",
     ] + [f"csrc/cpu/kernels/{name}" for name in kernels]
 
 

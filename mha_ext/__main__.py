@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import mha_ext
-from mha_ext.benchmark import AttentionCase, format_table, time_case
+from mha_ext.bench import attention_case, run_case
+from mha_ext.bench import report, roofline
 from mha_ext.models import CausalLM
 
 PROMPTS = ["Attention ", "The cache ", "A fused kernel "]
@@ -58,13 +59,14 @@ def generate(model: CausalLM, alphabet, new_tokens: int):
 
 def compare_speed(quick: bool):
     seq = 256 if quick else 1024
-    cases = [
-        AttentionCase("gpt2-small", 1, 12, 12, seq, 64, torch.float32, causal=True, backward=False),
-        AttentionCase("gpt2-small", 1, 12, 12, seq, 64, torch.float32, causal=True, backward=True),
-    ]
-    print(f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, {torch.get_num_threads()} threads:")
-    results = [time_case(case, ["mha_ext", "torch_sdpa", "reference"], repeats=3 if quick else 5) for case in cases]
-    print(format_table(results))
+    device = torch.device("cpu")
+    ceilings = roofline.measure([torch.float32], device, quick=True)
+    print(f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, {torch.get_num_threads()} threads "
+          f"(more: python -m mha_ext.bench):")
+    for suite, backward in (("forward", False), ("forward_backward", True)):
+        case = attention_case(suite, "gpt2-small", 12, 12, 64, seq, torch.float32, True, backward, device)
+        result = run_case(case, ceilings, device, repeats=3 if quick else 5)
+        print(report.format_suite(suite, [result], ceilings))
 
 
 def main():

@@ -26,6 +26,10 @@ MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
 
 #undef MHA_EXT_DECLARE_CPU_KERNELS
 
+// Writes key/value rows into their slots; the slots must have been validated. A copy, so one
+// portable build serves every CPU (kernels/append.cpp).
+void paged_kv_append(const PagedAppendParams& params);
+
 // Runs the build of kernel `name` that cpu/isa.h chose for this CPU.
 #if defined(__x86_64__)
 #define MHA_EXT_RUN_CPU_KERNEL(name, params)                   \

@@ -1,0 +1,122 @@
+// Fused attention forward and backward on the CPU, driven through the params structs with
+// no Python: items/s are query rows, FLOP/s counts 4 B H Sq Sk D (halved when causal) for
+// the forward and 2.5x that for the backward.
+//
+//   attention_bench [--smoke] [--benchmark_filter=...]
+// Arguments of each run: batch, heads, kv_heads, seq, head_dim, dtype (0 fp32, 1 bf16, 2 fp16), causal.
+#include <optional>
+
+#include "attention_checks.h"
+#include "bench_common.h"
+#include "cpu/kernels/kernels.h"
+
+namespace mha_ext::bench {
+namespace {
+
+struct Problem {
+  at::Tensor q, k, v;
+  AttentionForwardParams params;
+  double forward_flops;
+};
+
+Problem make_problem(const benchmark::State& state) {
+  const int64_t batch = state.range(0), heads = state.range(1), kv_heads = state.range(2);
+  const int64_t seq = state.range(3), head_dim = state.range(4), dtype = state.range(5);
+  const bool causal = state.range(6) != 0;
+  Problem p;
+  p.q = random({batch, heads, seq, head_dim}, dtype);
+  p.k = random({batch, kv_heads, seq, head_dim}, dtype);
+  p.v = random({batch, kv_heads, seq, head_dim}, dtype);
+  p.params = make_attention_params(p.q, p.k, p.v, std::nullopt, std::nullopt, 0.0,
+                                   1.0 / std::sqrt(static_cast<double>(head_dim)), -1,
+                                   causal ? 0 : -1, true);
+  p.forward_flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
+  return p;
+}
+
+void set_counters(benchmark::State& state, const Problem& p, double flops) {
+  state.SetItemsProcessed(state.iterations() * p.params.batch * p.params.num_heads * p.params.seq_q);
+  state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(dtype_label(state.range(5)) + (state.range(6) ? " causal" : ""));
+}
+
+void attention_forward(benchmark::State& state) {
+  Problem p = make_problem(state);
+  at::Tensor out = at::empty_like(p.q);
+  at::Tensor lse = at::empty({p.params.batch, p.params.num_heads, p.params.seq_q}, at::kFloat);
+  p.params.out = out.data_ptr();
+  p.params.out_strides = row_strides(out);
+  p.params.lse = lse.data_ptr();
+  for (auto _ : state) {
+    MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);
+    benchmark::DoNotOptimize(out.data_ptr());
+  }
+  set_counters(state, p, p.forward_flops);
+}
+
+void attention_backward(benchmark::State& state) {
+  Problem p = make_problem(state);
+  at::Tensor out = at::empty_like(p.q);
+  at::Tensor lse = at::empty({p.params.batch, p.params.num_heads, p.params.seq_q}, at::kFloat);
+  p.params.out = out.data_ptr();
+  p.params.out_strides = row_strides(out);
+  p.params.lse = lse.data_ptr();
+  MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);
+
+  AttentionBackwardParams bwd;
+  static_cast<AttentionForwardParams&>(bwd) = p.params;
+  at::Tensor grad_out = random(out.sizes(), state.range(5));
+  at::Tensor grad_q = at::empty_like(p.q), grad_k = at::empty_like(p.k), grad_v = at::empty_like(p.v);
+  at::Tensor grad_q_accum = at::zeros({1, p.params.batch, p.params.num_heads, p.params.seq_q, p.params.head_dim});
+  at::Tensor delta = at::empty_like(lse);
+  bwd.grad_out = grad_out.data_ptr();
+  bwd.grad_out_strides = row_strides(grad_out);
+  bwd.grad_q = grad_q.data_ptr();
+  bwd.grad_k = grad_k.data_ptr();
+  bwd.grad_v = grad_v.data_ptr();
+  bwd.grad_q_strides = row_strides(grad_q);
+  bwd.grad_k_strides = row_strides(grad_k);
+  bwd.grad_v_strides = row_strides(grad_v);
+  bwd.grad_q_accum = grad_q_accum.data_ptr();
+  bwd.num_kv_splits = 1;
+  bwd.delta = delta.data_ptr();
+  for (auto _ : state) {
+    state.PauseTiming();
+    grad_q_accum.zero_();  // the kernel accumulates into it
+    state.ResumeTiming();
+    MHA_EXT_RUN_CPU_KERNEL(attention_backward, bwd);
+    benchmark::DoNotOptimize(grad_q.data_ptr());
+  }
+  set_counters(state, p, 2.5 * p.forward_flops);
+}
+
+void register_all(bool smoke) {
+  // batch, heads, kv_heads, seq, head_dim, dtype, causal: GPT-2 small and Llama-2 70B GQA shapes.
+  const std::vector<std::vector<int64_t>> shapes =
+      smoke ? std::vector<std::vector<int64_t>>{{1, 2, 1, 17, 40, 0, 1}, {1, 2, 2, 9, 64, 1, 0}}
+            : std::vector<std::vector<int64_t>>{{1, 12, 12, 1024, 64, 0, 0}, {1, 12, 12, 1024, 64, 0, 1},
+                                                {1, 12, 12, 1024, 64, 1, 1}, {1, 64, 8, 1024, 128, 0, 1},
+                                                {1, 64, 8, 1024, 128, 1, 1}};
+  for (auto [name, function] : {std::pair{"attention_forward", &attention_forward},
+                                std::pair{"attention_backward", &attention_backward}}) {
+    auto* bench = benchmark::RegisterBenchmark(name, function)
+                      ->ArgNames({"batch", "heads", "kv_heads", "seq", "head_dim", "dtype", "causal"})
+                      ->Unit(benchmark::kMillisecond)
+                      ->UseRealTime();
+    for (const auto& shape : shapes) bench->Args(shape);
+    if (smoke) bench->Iterations(1);
+  }
+}
+
+}  // namespace
+}  // namespace mha_ext::bench
+
+int main(int argc, char** argv) {
+  const bool smoke = mha_ext::bench::take_smoke_flag(&argc, argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  mha_ext::bench::register_all(smoke);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

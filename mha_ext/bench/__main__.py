@@ -1,0 +1,108 @@
+"""python -m mha_ext.bench: mha_ext against torch SDPA and the naive attention, in one run.
+
+    python -m mha_ext.bench --quick                      # every suite, small, under 2 minutes
+    python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
+
+Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
+machine's roofline measured in the same run), and writes results.json and one PNG per suite
+(with matplotlib installed) to --out.
+"""
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mha_ext
+
+from . import report, roofline
+from .suites import MODELS, SUITES, build_cases, run_case
+
+QUICK = {"models": ["gpt2-small", "llama2-70b"], "seq": [512], "context": [1024], "append_context": [512, 4096, 32768]}
+FULL = {"models": list(MODELS), "seq": [512, 1024, 2048], "context": [1024, 4096],
+        "append_context": [512, 2048, 8192, 32768]}
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent when stderr is a file (CI logs)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.enabled = sys.stderr.isatty()
+
+    def update(self, label: str):
+        self.done += 1
+        if self.enabled:
+            filled = 30 * self.done // self.total
+            elapsed = time.perf_counter() - self.start
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"{elapsed:5.0f}s {label[:50]:<50}")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m mha_ext.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", nargs="+", default=list(SUITES), choices=SUITES)
+    parser.add_argument("--quick", action="store_true", help="small shapes: the whole run under 2 minutes")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS))
+    parser.add_argument("--seq", nargs="+", type=int, help="sequence lengths of the attention suites")
+    parser.add_argument("--context", nargs="+", type=int, help="contexts of the decode suite")
+    parser.add_argument("--append-context", nargs="+", type=int, help="contexts of the append suite")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, help="timed repeats per case (median); default 3 quick, 5 full")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for results.json and the plots")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    device = torch.device(args.device)
+    dtypes = [getattr(torch, d) for d in args.dtype]
+    repeats = args.repeats or (3 if args.quick else 5)
+    machine = {"torch": torch.__version__, "mha_ext": mha_ext.build_info(), "threads": torch.get_num_threads(),
+               "device": str(device), "processor": platform.processor() or platform.machine(),
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    print(f"mha_ext {machine['mha_ext']['version']} ({machine['mha_ext']['cpu_isa']} CPU kernels), torch "
+          f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}")
+    print("measuring the roofline ...", flush=True)
+    ceilings = roofline.measure(dtypes, device, args.quick)
+    print("roofline: " + ", ".join(f"{k} {v:.1f} {'GB/s' if k == 'stream_read' else 'GFLOP/s'}" for k, v in ceilings.items()))
+
+    factories = build_cases(args.suite, args.models or sizes["models"], args.seq or sizes["seq"],
+                            args.context or sizes["context"], args.append_context or sizes["append_context"],
+                            dtypes, device)
+    progress = Progress(len(factories))
+    results = []
+    for factory in factories:
+        case = factory()
+        results.append(run_case(case, ceilings, device, repeats))
+        progress.update(case.label)
+        del case  # free the case's tensors before the next one allocates
+    progress.close()
+
+    for suite in args.suite:
+        suite_results = [r for r in results if r["suite"] == suite]
+        if suite_results:
+            print()
+            print(report.format_suite(suite, suite_results, ceilings))
+    out = Path(args.out)
+    report.write_json(out / "results.json", machine, ceilings, results)
+    print(f"\nwrote {out / 'results.json'}")
+    if not args.no_plots:
+        plots = report.write_plots(out, results)
+        print(f"wrote {', '.join(str(p) for p in plots)}" if plots else "plots skipped: pip install matplotlib")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Tables on the terminal, JSON, and PNG plots (matplotlib, optional) of suite results."""
+import json
+from pathlib import Path
+from typing import Dict, List
+
+SUITE_TITLES = {
+    "forward": "attention forward",
+    "forward_backward": "attention forward + backward",
+    "gqa_prefill": "grouped-query causal prefill",
+    "paged_decode": "paged decode (K/V read per step)",
+    "cache_append": "cache append (K/V written per token)",
+}
+
+
+def _contenders(results: List[Dict]) -> List[str]:
+    names: List[str] = []
+    for result in results:
+        names += [n for n in list(result["results"]) + list(result["unsupported"]) if n not in names]
+    return names
+
+
+def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) -> str:
+    """One suite's table: each contender's throughput, mha_ext's ratio to the baseline and
+    its fraction of the measured roofline."""
+    contenders = _contenders(results)
+    unit = results[0]["unit"]
+    baseline = results[0]["baseline"]
+    label_width = max(len(r["label"]) for r in results) + 2
+    header = f"{'case':<{label_width}}" + "".join(f"{name:>22}" for name in contenders)
+    header += f"{'mha_ext / ' + baseline:>28}{'mha_ext % roofline':>20}"
+    lines = [f"{SUITE_TITLES[suite]} ({unit})", header, "-" * len(header)]
+    for result in results:
+        line = f"{result['label']:<{label_width}}"
+        for name in contenders:
+            entry = result["results"].get(name)
+            line += f"{entry['throughput']:>22.4g}" if entry else f"{'n/a':>22}"
+        mha = result["results"].get("mha_ext")
+        ratio = mha.get("speedup_vs_baseline") if mha else None
+        line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
+        line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
+        lines.append(line)
+    keys = sorted({r["roofline"] for r in results})
+    lines.append("roofline: " + ", ".join(
+        f"{key} = {roofline[key]:.1f} {'GB/s' if key == 'stream_read' else 'GFLOP/s'}" for key in keys))
+    if suite == "cache_append":
+        lines += _append_summary(results)
+    return "\n".join(lines)
+
+
+def _append_summary(results: List[Dict]) -> List[str]:
+    first, last = results[0], results[-1]
+    lines = []
+    for name in first["results"]:
+        per_call = [r["results"][name]["seconds_per_call"] * 1e6 for r in (first, last)]
+        lines.append(f"{name}: {per_call[0]:.2f} us per token at context {first['params']['context']}, "
+                     f"{per_call[1]:.2f} us at {last['params']['context']} (ratio {per_call[1] / per_call[0]:.2f})")
+    return lines
+
+
+def write_json(path: Path, machine: Dict, roofline: Dict[str, float], results: List[Dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine, "roofline": roofline, "results": results}, indent=2))
+
+
+def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
+    """One PNG per suite: throughput against sequence length (context for the cache suites),
+    a line per contender and dtype, a panel per model. Needs matplotlib; returns [] without."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for suite in SUITE_TITLES:
+        suite_results = [r for r in results if r["suite"] == suite]
+        if not suite_results:
+            continue
+        x_key = "seq" if "seq" in suite_results[0]["params"] else "context"
+        panels = sorted({r["params"].get("model", "llama2-7b layer") + (" causal" if r["params"].get("causal") else "")
+                         for r in suite_results})
+        figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+        for axis, panel in zip(axes[0], panels):
+            lines: Dict[str, List] = {}
+            for r in suite_results:
+                if r["params"].get("model", "llama2-7b layer") + (" causal" if r["params"].get("causal") else "") != panel:
+                    continue
+                for name, entry in r["results"].items():
+                    lines.setdefault(f"{name} {r['params']['dtype']}", []).append((r["params"][x_key], entry["throughput"]))
+            for line_label, points in sorted(lines.items()):
+                points.sort()
+                axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=line_label)
+            axis.set_title(panel)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xlabel("context" if x_key == "context" else "sequence length")
+            axis.set_ylabel(suite_results[0]["unit"])
+            axis.legend(fontsize=7)
+        figure.suptitle(SUITE_TITLES[suite])
+        figure.tight_layout()
+        path = directory / f"{suite}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written

@@ -1,0 +1,28 @@
+"""What this machine can do, measured in the same run as the benchmarks: a large matmul's
+GFLOP/s per dtype and a streaming read's GB/s. Results are printed as fractions of these."""
+from typing import Dict, Iterable
+
+import torch
+
+from .timing import median_seconds
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=2, repeats=repeats, device=device)
+    return 2.0 * size ** 3 / seconds["matmul"] / 1e9
+
+
+def stream_read_gbps(device: torch.device, mebibytes: int = 512, repeats: int = 5) -> float:
+    data = torch.ones(mebibytes << 18, device=device)  # float32: 2^18 per MiB
+    seconds = median_seconds({"read": lambda: data.sum()}, warmup=2, repeats=repeats, device=device)
+    return data.numel() * data.element_size() / seconds["read"] / 1e9
+
+
+def measure(dtypes: Iterable[torch.dtype], device: torch.device, quick: bool) -> Dict[str, float]:
+    """{"matmul_<dtype>": GFLOP/s, ..., "stream_read": GB/s}"""
+    repeats = 3 if quick else 5
+    roofline = {f"matmul_{str(d).replace('torch.', '')}": matmul_gflops(d, device, repeats=repeats) for d in dtypes}
+    roofline["stream_read"] = stream_read_gbps(device, 256 if quick else 512, repeats)
+    return roofline

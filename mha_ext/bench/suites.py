@@ -1,0 +1,236 @@
+"""The benchmark suites: each builds cases (a shape, the work it does, and one step per
+contender) and times them.
+
+Suites: forward and forward_backward (attention on model shapes), gqa_prefill (causal
+grouped-query prefill), paged_decode (one query per sequence over a paged cache, against
+torch SDPA on a contiguous cache) and cache_append (one token into the cache, against the
+seed tutorial's torch.cat update). Contenders: mha_ext, torch SDPA (on CUDA its flash,
+cuDNN and efficient backends separately) and the textbook "naive" attention the seed
+tutorial writes out, where its O(S^2) memory allows.
+"""
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import functional
+from ..kv_cache import PagedKVCache
+from ..reference import attention_reference
+from .timing import median_seconds
+
+# Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
+MODELS = {
+    "bert-base": (12, 12, 64),
+    "gpt2-small": (12, 12, 64),
+    "llama2-7b": (32, 32, 128),
+    "llama2-70b": (64, 8, 128),
+}
+# The grouped-query prefill shape of the CPU performance targets: 32 query / 8 kv heads.
+GQA_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
+SUITES = ("forward", "forward_backward", "gqa_prefill", "paged_decode", "cache_append")
+# The naive attention materialises (B, H, S, S) scores and their gradients: skip it beyond.
+NAIVE_MAX_SEQ = 1024
+DECODE_BATCH = 8
+APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
+
+
+@dataclass
+class Case:
+    suite: str
+    label: str
+    params: Dict
+    work: float  # FLOPs or bytes of one step
+    unit: str  # "GFLOP/s" or "GB/s"
+    roofline_key: str
+    steps: Dict[str, Callable[[], None]]
+    baseline: str = "torch_sdpa"
+    interleave: bool = True
+    per_call: Dict[str, int] = field(default_factory=dict)  # calls per step, for per-call times
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, causal, backward) -> float:
+    """4 B H Sq Sk D for the two forward matmuls, halved when causal; the backward adds
+    2.5x the forward."""
+    forward = 4.0 * batch * heads * seq_q * seq_k * head_dim / (2 if causal else 1)
+    return forward * (3.5 if backward else 1.0)
+
+
+def _torch_sdpa_contenders(device: torch.device) -> Dict[str, Optional[object]]:
+    """name -> SDPBackend to force (None: let torch choose)."""
+    if device.type != "cuda":
+        return {"torch_sdpa": None}
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "torch_sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "torch_sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "torch_sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+
+
+def _backend(backend):
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backend)
+
+
+def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, backward, device) -> Case:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1, h, seq, head_dim) for h in (heads, kv_heads, kv_heads)]
+    q, k, v = (torch.randn(s, generator=generator).to(device=device, dtype=dtype).requires_grad_(backward)
+               for s in shapes)
+    grad_out = torch.randn(shapes[0], generator=generator).to(device=device, dtype=dtype)
+    gqa = heads != kv_heads
+
+    def step_of(attend):
+        def step():
+            out = attend()
+            if backward:
+                out.backward(grad_out)
+        return step
+
+    steps = {"mha_ext": step_of(lambda: functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=gqa))}
+    for contender, backend in _torch_sdpa_contenders(device).items():
+        def torch_attend(backend=backend):
+            with _backend(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        steps[contender] = step_of(torch_attend)
+    if seq <= NAIVE_MAX_SEQ:
+        steps["naive"] = step_of(lambda: attention_reference(q, k, v, causal="top_left" if causal else None)[0])
+    label = f"{name} {dtype_name(dtype)} S={seq}{' causal' if causal else ''}"
+    params = {"model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "seq": seq,
+              "dtype": dtype_name(dtype), "causal": causal, "backward": backward}
+    return Case(suite, label, params, attention_flops(1, heads, seq, seq, head_dim, causal, backward),
+                "GFLOP/s", f"matmul_{dtype_name(dtype)}", steps,
+                baseline=next(iter(_torch_sdpa_contenders(device))))
+
+
+def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, block_size=16) -> Case:
+    generator = torch.Generator().manual_seed(0)
+    batch = DECODE_BATCH
+    k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(device=device, dtype=dtype)
+            for _ in range(2))
+    q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
+    cache = PagedKVCache(1, batch * -(-context // block_size), block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    seqs = [cache.allocate() for _ in range(batch)]
+    prefill = cache.prepare(seqs, [context] * batch)
+    # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
+    functional.paged_kv_append(k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1),
+                               cache.key_caches[0], cache.value_caches[0], prefill.slot_mapping)
+    one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q_packed = q[:, :, 0]  # (B, H, D)
+    gqa = heads != kv_heads
+
+    steps = {"mha_ext": lambda: functional.paged_attention(
+        q_packed, cache.key_caches[0], cache.value_caches[0], prefill.block_tables, prefill.seq_lens, one_query_each)}
+    for contender, backend in _torch_sdpa_contenders(device).items():
+        def torch_decode(backend=backend):
+            with _backend(backend):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        steps[contender] = torch_decode
+    steps["naive"] = lambda: attention_reference(q, k, v)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
+    params = {"model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context": context,
+              "batch": batch, "dtype": dtype_name(dtype), "block_size": block_size}
+    return Case("paged_decode", label, params, kv_bytes, "GB/s", "stream_read", steps,
+                baseline=next(iter(_torch_sdpa_contenders(device))))
+
+
+def _append_case(context, device, kv_heads=32, head_dim=128, block_size=16) -> Case:
+    """One token of a Llama-2 7B layer (fp32) into a cache already holding `context` tokens."""
+    tokens = context + APPEND_TOKENS_PER_RUN
+    cache = PagedKVCache(1, -(-tokens // block_size), block_size, kv_heads, head_dim, device=device)
+    seq = cache.allocate()
+    cache.prepare([seq], [tokens])
+    slots = functional.slot_mapping_for(torch.tensor(cache.block_table(seq), device=device),
+                                        torch.arange(context, tokens, device=device), block_size)
+    key, value = (torch.randn(1, kv_heads, head_dim, device=device) for _ in range(2))
+    contiguous = [tuple(torch.randn(1, kv_heads, context, head_dim, device=device) for _ in range(2))]
+    new_k, new_v = key.view(1, kv_heads, 1, head_dim), value.view(1, kv_heads, 1, head_dim)
+
+    def paged():  # tokens context, context + 1, ... each written in place by its own call
+        for slot in slots.split(1):
+            functional.paged_kv_append(key, value, cache.key_caches[0], cache.value_caches[0], slot)
+
+    def seed_torch_cat():  # the seed tutorial's update_kv_cache: concatenation copies the cache
+        k_cache, v_cache = contiguous[0]
+        torch.cat([k_cache, new_k], dim=2), torch.cat([v_cache, new_v], dim=2)
+
+    token_bytes = 2 * key.numel() * key.element_size()
+    params = {"context": context, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32"}
+    # Timed apart, not interleaved: each torch.cat maps a context-sized buffer, which would
+    # leave the next paged append with cold caches and TLB.
+    return Case("cache_append", f"llama2-7b layer ctx={context}", params, token_bytes, "GB/s", "stream_read",
+                {"mha_ext": paged, "seed_torch_cat": seed_torch_cat}, baseline="seed_torch_cat",
+                interleave=False, per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1})
+
+
+def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device) -> List[Callable[[], Case]]:
+    """Case factories (cases allocate their tensors only when they run)."""
+    factories = []
+    for suite in suites:
+        if suite in ("forward", "forward_backward"):
+            for model in models:
+                heads, kv_heads, head_dim = MODELS[model]
+                for dtype in dtypes:
+                    for seq in seqs:
+                        for causal in (False, True):
+                            factories.append(
+                                lambda su=suite, m=model, h=heads, kv=kv_heads, d=head_dim, s=seq, t=dtype, c=causal:
+                                attention_case(su, m, h, kv, d, s, t, c, su == "forward_backward", device))
+        elif suite == "gqa_prefill":
+            for dtype in dtypes:
+                for seq in seqs:
+                    factories.append(lambda t=dtype, s=seq: attention_case("gqa_prefill", *GQA_SHAPE, s, t, True, False, device))
+        elif suite == "paged_decode":
+            for name, heads, kv_heads in (("llama2-7b", 32, 32), (GQA_SHAPE[0], 32, 8), ("llama2-70b", 64, 8)):
+                for dtype in dtypes:
+                    for context in contexts:
+                        factories.append(lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(n, h, kv, 128, c, t, device))
+        elif suite == "cache_append":
+            for context in append_contexts:
+                factories.append(lambda c=context: _append_case(c, device))
+        else:
+            raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    return factories
+
+
+def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repeats: int) -> Dict:
+    """Times a case; returns its JSON-ready result. A contender with no kernel for this
+    device (mha_ext's CUDA attention before the CUDA issue lands) is reported, not timed."""
+    unsupported = {}
+    for name, step in list(case.steps.items()):
+        try:
+            step()
+        except (NotImplementedError, RuntimeError) as error:
+            unsupported[name] = str(error).splitlines()[0]
+            del case.steps[name]
+    if case.interleave:
+        seconds = median_seconds(case.steps, warmup=1, repeats=repeats, device=device)
+    else:
+        seconds = {}
+        for name, step in case.steps.items():
+            seconds.update(median_seconds({name: step}, warmup=2, repeats=repeats, device=device))
+    results = {}
+    for name, step_seconds in seconds.items():
+        calls = case.per_call.get(name, 1)
+        throughput = case.work * calls / step_seconds / 1e9
+        results[name] = {"seconds_per_call": step_seconds / calls, "throughput": throughput,
+                         "roofline_fraction": throughput / roofline[case.roofline_key]}
+    if case.baseline in results:
+        baseline = results[case.baseline]["seconds_per_call"]
+        for entry in results.values():
+            entry["speedup_vs_baseline"] = baseline / entry["seconds_per_call"]
+    return {"suite": case.suite, "label": case.label, "params": case.params, "unit": case.unit,
+            "roofline": case.roofline_key, "baseline": case.baseline, "results": results,
+            "unsupported": unsupported}

@@ -1,0 +1,37 @@
+"""Honest timing: warm-up first (memory touched for the first time is slow on many
+machines), then the median of several repeats, contenders interleaved repeat by repeat so
+drift on a shared machine hits all of them alike. On CUDA, CUDA events time the device and
+every measurement synchronises."""
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+
+def _elapsed_seconds(step: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    start_time = time.perf_counter()
+    step()
+    return time.perf_counter() - start_time
+
+
+def median_seconds(steps: Dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 5,
+                   device: torch.device = torch.device("cpu")) -> Dict[str, float]:
+    """Median wall time (device time on CUDA) of each step, the steps run interleaved."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            samples[name].append(_elapsed_seconds(step, device))
+    return {name: statistics.median(times) for name, times in samples.items()}
