@@ -2,8 +2,9 @@
 // no Python: items/s are query rows, FLOP/s counts 4 B H Sq Sk D (halved when causal) for
 // the forward and 2.5x that for the backward.
 //
-//   attention_bench [--smoke] [--benchmark_filter=...]
-// Arguments of each run: batch, heads, kv_heads, seq, head_dim, dtype (0 fp32, 1 bf16, 2 fp16), causal.
+//   attention_bench [--smoke] [--shape=B,H,Hkv,S,D,dtype,causal ...] [--benchmark_filter=...]
+// Arguments of each run: batch, heads, kv_heads, seq, head_dim, dtype (0 fp32, 1 bf16, 2 fp16),
+// causal; e.g. --shape=1,32,8,2048,128,1,1 is Llama-style GQA prefill in bf16, causal.
 #include <optional>
 
 #include "attention_checks.h"
@@ -90,13 +91,15 @@ void attention_backward(benchmark::State& state) {
   set_counters(state, p, 2.5 * p.forward_flops);
 }
 
-void register_all(bool smoke) {
+void register_all(const Options& options) {
+  const bool smoke = options.smoke;
   // batch, heads, kv_heads, seq, head_dim, dtype, causal: GPT-2 small and Llama-2 70B GQA shapes.
-  const std::vector<std::vector<int64_t>> shapes =
+  std::vector<std::vector<int64_t>> shapes =
       smoke ? std::vector<std::vector<int64_t>>{{1, 2, 1, 17, 40, 0, 1}, {1, 2, 2, 9, 64, 1, 0}}
             : std::vector<std::vector<int64_t>>{{1, 12, 12, 1024, 64, 0, 0}, {1, 12, 12, 1024, 64, 0, 1},
                                                 {1, 12, 12, 1024, 64, 1, 1}, {1, 64, 8, 1024, 128, 0, 1},
                                                 {1, 64, 8, 1024, 128, 1, 1}};
+  if (!options.shapes.empty()) shapes = options.shapes;
   for (auto [name, function] : {std::pair{"attention_forward", &attention_forward},
                                 std::pair{"attention_backward", &attention_backward}}) {
     auto* bench = benchmark::RegisterBenchmark(name, function)
@@ -112,10 +115,10 @@ void register_all(bool smoke) {
 }  // namespace mha_ext::bench
 
 int main(int argc, char** argv) {
-  const bool smoke = mha_ext::bench::take_smoke_flag(&argc, argv);
+  const mha_ext::bench::Options options = mha_ext::bench::take_options(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  mha_ext::bench::register_all(smoke);
+  mha_ext::bench::register_all(options);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -4,8 +4,9 @@
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 
-#include <cstring>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace mha_ext::bench {
 
@@ -26,20 +27,33 @@ inline at::Tensor random(at::IntArrayRef shape, int64_t dtype_code) {
   return at::randn(shape).to(dtype_of(dtype_code));
 }
 
-// True when --smoke is among the arguments (and removes it, so Google Benchmark does not
-// reject it): register tiny shapes and run each benchmark for one iteration.
-inline bool take_smoke_flag(int* argc, char** argv) {
-  bool smoke = false;
+// The arguments this program adds to Google Benchmark's, removed from argv before
+// benchmark::Initialize sees them.
+struct Options {
+  bool smoke = false;  // --smoke: tiny shapes, one iteration each (CI's ctest run)
+  // --shape=1,32,8,2048,128,1,1 (repeatable): run these argument lists instead of the
+  // built-in model shapes; the numbers are the benchmark's arguments in order.
+  std::vector<std::vector<int64_t>> shapes;
+};
+
+inline Options take_options(int* argc, char** argv) {
+  Options options;
   int kept = 0;
   for (int i = 0; i < *argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      smoke = true;
+    const std::string arg = argv[i];
+    if (arg == "--smoke") {
+      options.smoke = true;
+    } else if (arg.rfind("--shape=", 0) == 0) {
+      std::vector<int64_t> shape;
+      std::stringstream values(arg.substr(8));
+      for (std::string value; std::getline(values, value, ',');) shape.push_back(std::stoll(value));
+      options.shapes.push_back(shape);
     } else {
       argv[kept++] = argv[i];
     }
   }
   *argc = kept;
-  return smoke;
+  return options;
 }
 
 }  // namespace mha_ext::bench

@@ -2,9 +2,11 @@
 // decode attention (one query per sequence; bytes/s counts the K/V read) and append (one
 // token per call; bytes/s counts the K/V written).
 //
-//   paged_bench [--smoke] [--benchmark_filter=...]
+//   paged_bench [--smoke] [--shape=... ...] [--benchmark_filter=...]
 // paged_decode arguments: batch, heads, kv_heads, context, head_dim, dtype (0 fp32, 1 bf16, 2 fp16), block_size.
 // paged_append arguments: context, kv_heads, head_dim, dtype, block_size.
+// --shape=... with 7 numbers adds a paged_decode run, with 5 a paged_append run, instead of
+// the built-in argument lists.
 #include <numeric>
 
 #include "bench_common.h"
@@ -63,7 +65,7 @@ void paged_append(benchmark::State& state) {
   state.SetLabel(dtype_label(dtype));
 }
 
-void register_all(bool smoke) {
+void register_all(const Options& options) {
   auto* decode = benchmark::RegisterBenchmark("paged_decode", &paged_decode)
                      ->ArgNames({"batch", "heads", "kv_heads", "context", "head_dim", "dtype", "block_size"})
                      ->Unit(benchmark::kMicrosecond)
@@ -72,9 +74,13 @@ void register_all(bool smoke) {
                      ->ArgNames({"context", "kv_heads", "head_dim", "dtype", "block_size"})
                      ->Unit(benchmark::kMicrosecond)
                      ->UseRealTime();
-  if (smoke) {
+  if (options.smoke) {
     decode->Args({2, 4, 2, 33, 32, 0, 16})->Args({1, 2, 1, 9, 64, 1, 1})->Iterations(1);
     append->Args({5, 2, 32, 0, 4})->Iterations(1);
+    return;
+  }
+  if (!options.shapes.empty()) {
+    for (const auto& shape : options.shapes) (shape.size() == 7 ? decode : append)->Args(shape);
     return;
   }
   // Llama-2 7B (32 x 128) and 70B GQA (64 q / 8 kv x 128) decode at batch 8, context 4096.
@@ -88,10 +94,10 @@ void register_all(bool smoke) {
 }  // namespace mha_ext::bench
 
 int main(int argc, char** argv) {
-  const bool smoke = mha_ext::bench::take_smoke_flag(&argc, argv);
+  const mha_ext::bench::Options options = mha_ext::bench::take_options(&argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  mha_ext::bench::register_all(smoke);
+  mha_ext::bench::register_all(options);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
