@@ -167,6 +167,30 @@ at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v) {
   return at::empty({batch, heads, seq_q, head_dim_v}, q.options());
 }
 
+void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, const at::Tensor& lse) {
+  params.out = const_cast<void*>(out.data_ptr());
+  params.out_strides = row_strides(out);
+  params.lse = const_cast<void*>(lse.data_ptr());
+}
+
+void set_backward_tensors(AttentionBackwardParams& params, const at::Tensor& grad_out,
+                          const at::Tensor* grad_lse, const at::Tensor& grad_q,
+                          const at::Tensor& grad_k, const at::Tensor& grad_v,
+                          const at::Tensor& grad_q_accum, const at::Tensor& delta) {
+  params.grad_out = grad_out.data_ptr();
+  params.grad_out_strides = row_strides(grad_out);
+  params.grad_lse = grad_lse != nullptr ? grad_lse->data_ptr() : nullptr;
+  params.grad_q = grad_q.data_ptr();
+  params.grad_k = grad_k.data_ptr();
+  params.grad_v = grad_v.data_ptr();
+  params.grad_q_strides = row_strides(grad_q);
+  params.grad_k_strides = row_strides(grad_k);
+  params.grad_v_strides = row_strides(grad_v);
+  params.grad_q_accum = grad_q_accum.data_ptr();
+  params.num_kv_splits = grad_q_accum.size(0);
+  params.delta = delta.data_ptr();
+}
+
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,
                          const at::Tensor& out, const at::Tensor& lse,
                          const std::optional<at::Tensor>& grad_lse, const at::Tensor& q) {

@@ -44,6 +44,19 @@ AttentionForwardParams make_attention_params(const at::Tensor& q, const at::Tens
 // register_fake in mha_ext/ops.py mirrors this rule.
 at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v);
 
+// Points the params at the forward's outputs: out [batch, heads, seq_q, head_dim_v] (any
+// strides, last dim contiguous) and lse [batch, heads, seq_q] contiguous. The backward reads
+// them through the same fields.
+void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, const at::Tensor& lse);
+
+// Points the backward params at its tensors: grad_lse may be null; grad_q_accum is the
+// zero-filled [num_kv_splits, batch, heads, seq_q, head_dim] workspace and delta the
+// [batch, heads, seq_q] one, both in the accumulation type.
+void set_backward_tensors(AttentionBackwardParams& params, const at::Tensor& grad_out,
+                          const at::Tensor* grad_lse, const at::Tensor& grad_q,
+                          const at::Tensor& grad_k, const at::Tensor& grad_v,
+                          const at::Tensor& grad_q_accum, const at::Tensor& delta);
+
 // Checks the tensors only the backward takes against the forward's params.
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,
                          const at::Tensor& out, const at::Tensor& lse,

@@ -15,8 +15,8 @@ namespace mha_ext::bench {
 namespace {
 
 struct Problem {
-  at::Tensor q, k, v;
-  AttentionForwardParams params;
+  at::Tensor q, k, v, out, lse;
+  AttentionForwardParams params;  // pointing at the tensors above, outputs included
   double forward_flops;
 };
 
@@ -31,6 +31,9 @@ Problem make_problem(const benchmark::State& state) {
   p.params = make_attention_params(p.q, p.k, p.v, std::nullopt, std::nullopt, 0.0,
                                    1.0 / std::sqrt(static_cast<double>(head_dim)), -1,
                                    causal ? 0 : -1, true);
+  p.out = at::empty_like(p.q);
+  p.lse = at::empty({batch, heads, seq}, at::kFloat);
+  set_forward_outputs(p.params, p.out, p.lse);
   p.forward_flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
   return p;
 }
@@ -43,44 +46,24 @@ void set_counters(benchmark::State& state, const Problem& p, double flops) {
 
 void attention_forward(benchmark::State& state) {
   Problem p = make_problem(state);
-  at::Tensor out = at::empty_like(p.q);
-  at::Tensor lse = at::empty({p.params.batch, p.params.num_heads, p.params.seq_q}, at::kFloat);
-  p.params.out = out.data_ptr();
-  p.params.out_strides = row_strides(out);
-  p.params.lse = lse.data_ptr();
   for (auto _ : state) {
     MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);
-    benchmark::DoNotOptimize(out.data_ptr());
+    benchmark::DoNotOptimize(p.out.data_ptr());
   }
   set_counters(state, p, p.forward_flops);
 }
 
 void attention_backward(benchmark::State& state) {
   Problem p = make_problem(state);
-  at::Tensor out = at::empty_like(p.q);
-  at::Tensor lse = at::empty({p.params.batch, p.params.num_heads, p.params.seq_q}, at::kFloat);
-  p.params.out = out.data_ptr();
-  p.params.out_strides = row_strides(out);
-  p.params.lse = lse.data_ptr();
-  MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);
+  MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);  // the out and lse the backward reads
 
   AttentionBackwardParams bwd;
   static_cast<AttentionForwardParams&>(bwd) = p.params;
-  at::Tensor grad_out = random(out.sizes(), state.range(5));
+  at::Tensor grad_out = random(p.out.sizes(), state.range(5));
   at::Tensor grad_q = at::empty_like(p.q), grad_k = at::empty_like(p.k), grad_v = at::empty_like(p.v);
   at::Tensor grad_q_accum = at::zeros({1, p.params.batch, p.params.num_heads, p.params.seq_q, p.params.head_dim});
-  at::Tensor delta = at::empty_like(lse);
-  bwd.grad_out = grad_out.data_ptr();
-  bwd.grad_out_strides = row_strides(grad_out);
-  bwd.grad_q = grad_q.data_ptr();
-  bwd.grad_k = grad_k.data_ptr();
-  bwd.grad_v = grad_v.data_ptr();
-  bwd.grad_q_strides = row_strides(grad_q);
-  bwd.grad_k_strides = row_strides(grad_k);
-  bwd.grad_v_strides = row_strides(grad_v);
-  bwd.grad_q_accum = grad_q_accum.data_ptr();
-  bwd.num_kv_splits = 1;
-  bwd.delta = delta.data_ptr();
+  at::Tensor delta = at::empty_like(p.lse);
+  set_backward_tensors(bwd, grad_out, nullptr, grad_q, grad_k, grad_v, grad_q_accum, delta);
   for (auto _ : state) {
     state.PauseTiming();
     grad_q_accum.zero_();  // the kernel accumulates into it
@@ -114,12 +97,4 @@ void register_all(const Options& options) {
 }  // namespace
 }  // namespace mha_ext::bench
 
-int main(int argc, char** argv) {
-  const mha_ext::bench::Options options = mha_ext::bench::take_options(&argc, argv);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  mha_ext::bench::register_all(options);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }

@@ -56,4 +56,16 @@ inline Options take_options(int* argc, char** argv) {
   return options;
 }
 
+// The main of every benchmark program: our options, Google Benchmark's, then the runs that
+// register_all adds.
+inline int run(int argc, char** argv, void (*register_all)(const Options&)) {
+  const Options options = take_options(&argc, argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_all(options);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
 }  // namespace mha_ext::bench

@@ -93,12 +93,4 @@ void register_all(const Options& options) {
 }  // namespace
 }  // namespace mha_ext::bench
 
-int main(int argc, char** argv) {
-  const mha_ext::bench::Options options = mha_ext::bench::take_options(&argc, argv);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  mha_ext::bench::register_all(options);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }

@@ -25,9 +25,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   at::Tensor out = empty_attention_output(q, params.head_dim_v);
   at::Tensor lse = at::empty({params.batch, params.num_heads, params.seq_q},
                              q.options().dtype(accumulate_dtype(q.scalar_type())));
-  params.out = out.data_ptr();
-  params.out_strides = row_strides(out);
-  params.lse = lse.data_ptr();
+  set_forward_outputs(params, out, lse);
   params.dropout.seed = read_seed(dropout_seed);
   MHA_EXT_RUN_CPU_KERNEL(attention_forward, params);
   return {out, lse};
@@ -63,22 +61,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   at::Tensor delta = at::empty({params.batch, params.num_heads, params.seq_q},
                                q.options().dtype(acc_dtype));
 
-  params.out = const_cast<void*>(out.data_ptr());
-  params.out_strides = row_strides(out);
-  params.lse = const_cast<void*>(lse_rows.data_ptr());
+  set_forward_outputs(params, out, lse_rows);
   params.dropout.seed = read_seed(dropout_seed);
-  params.grad_out = grad_out.data_ptr();
-  params.grad_out_strides = row_strides(grad_out);
-  params.grad_lse = grad_lse_rows.has_value() ? grad_lse_rows->data_ptr() : nullptr;
-  params.grad_q = grad_q.data_ptr();
-  params.grad_k = grad_k.data_ptr();
-  params.grad_v = grad_v.data_ptr();
-  params.grad_q_strides = row_strides(grad_q);
-  params.grad_k_strides = row_strides(grad_k);
-  params.grad_v_strides = row_strides(grad_v);
-  params.grad_q_accum = grad_q_accum.data_ptr();
-  params.num_kv_splits = splits;
-  params.delta = delta.data_ptr();
+  set_backward_tensors(params, grad_out, grad_lse_rows.has_value() ? &*grad_lse_rows : nullptr,
+                       grad_q, grad_k, grad_v, grad_q_accum, delta);
   MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
   return {grad_q, grad_k, grad_v};
 }
