@@ -16,7 +16,8 @@ constexpr const char* kOp = "mha_ext.attention: ";
 void check_4d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 4, kOp, name, " must be a 4-D tensor (batch, heads, seq, head_dim), got ",
               t.dim(), "-D with shape ", t.sizes());
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, kOp, name,
+  // Strides of an empty tensor are arbitrary (an empty gradient may come broadcast).
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1 || t.numel() == 0, kOp, name,
               " must have a contiguous last dimension (stride 1), got strides ", t.strides());
 }
 

@@ -18,7 +18,7 @@ constexpr const char* kMerge = "mha_ext.merge_attention_states: ";
 void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t dim, const char* dims) {
   TORCH_CHECK(t.dim() == dim, op, name, " must be a ", dim, "-D tensor ", dims, ", got ", t.dim(),
               "-D with shape ", t.sizes());
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, name,
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1 || t.numel() == 0, op, name,
               " must have a contiguous last dimension (stride 1), got strides ", t.strides());
 }
 

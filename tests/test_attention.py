@@ -203,3 +203,16 @@ def test_large_tiles_many_blocks_causal():
     for causal in ("top_left", "bottom_right"):
         check_forward(q, k, v, {"causal": causal})
     check_backward(q, k, v, {"causal": "bottom_right", "window": (100, 0)})
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 0), (2, 4, 2, 0, 7), (0, 4, 2, 5, 7)], ids=["no_keys", "no_queries", "no_batch"])
+def test_empty_dimensions(shape):
+    batch, heads, kv_heads, seq_q, seq_k = shape
+    q, k, v = random_qkv(batch, heads, kv_heads, seq_q, seq_k, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = mha_ext.attention(*leaves, return_lse=True)
+    assert out.shape == (batch, heads, seq_q, 16) and lse.shape == (batch, heads, seq_q)
+    assert (out == 0).all() and (lse == float("-inf")).all()  # no key: output 0, lse -inf
+    out.sum().backward()
+    for leaf in leaves:
+        assert leaf.grad.shape == leaf.shape and (leaf.grad == 0).all()
