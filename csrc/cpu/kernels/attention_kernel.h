@@ -25,21 +25,18 @@
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
-// Turns one row of raw dot products q.k for keys [key0, key0 + cols) into scores:
-// scaled, plus an additive mask, and -inf wherever the window or a boolean mask hides the
-// key. The forward and the backward both call this, so they see the same scores.
+// Turns one row of dot products (scale * q).k for keys [key0, key0 + cols) into scores:
+// plus an additive mask, and -inf wherever the window or a boolean mask hides the key. The
+// forward and the backward both call this, so they see the same scores.
 template <typename scalar_t, typename acc_t>
-void scale_and_mask_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, int64_t batch,
-                        int64_t head, int64_t row, int64_t key0) {
-  using Vec = at::vec::Vectorized<acc_t>;
+void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, int64_t batch,
+                     int64_t head, int64_t row, int64_t key0) {
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const KeyRange visible = visible_keys(p.window, row, p.seq_k);
   const int64_t begin = std::clamp<int64_t>(visible.begin - key0, 0, cols);
   const int64_t end = std::clamp<int64_t>(visible.end - key0, begin, cols);
   std::fill(s, s + begin, kMinusInf);
   std::fill(s + end, s + cols, kMinusInf);
-  const acc_t scale = static_cast<acc_t>(p.scale);
-  at::vec::map([scale](Vec x) { return x * Vec(scale); }, s + begin, s + begin, end - begin);
 
   const AttnMaskParams& mask = p.mask;
   if (mask.kind == MaskKind::kNone) return;
@@ -107,7 +104,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
       const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
                           kv_head * p.v_strides.head;
 
-      load_rows(q, p.q_strides.row, rows, p.head_dim, q_tile, ld_d);
+      load_rows(q, p.q_strides.row, rows, p.head_dim, q_tile, ld_d, static_cast<acc_t>(p.scale));
       std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
       std::fill(row_max, row_max + rows, kMinusInf);
       std::fill(row_sum, row_sum + rows, acc_t(0));
@@ -126,7 +123,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
 
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* s = s_tile + r * kBlockK;
-          scale_and_mask_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+          mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
           online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
           // Dropout acts on the normalised probabilities, after their sum was taken.
           if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
@@ -238,9 +235,10 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                                 split * accum_split_stride + bh * p.seq_q * p.head_dim;
           for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, seeing.end - row0);
+            // Scaled on load: S = (scale Q) K^T, and dK = dS^T (scale Q) needs no rescaling.
             load_rows(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                           head * p.q_strides.head + row0 * p.q_strides.row,
-                      p.q_strides.row, rows, p.head_dim, q_tile, ld_d);
+                      p.q_strides.row, rows, p.head_dim, q_tile, ld_d, scale);
             load_rows(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                           head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
                       p.grad_out_strides.row, rows, p.head_dim_v, do_tile, ld_dv);
@@ -255,7 +253,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                 std::fill(s, s + cols, acc_t(0));
                 continue;
               }
-              scale_and_mask_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+              mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
               at::vec::map([row_lse](Vec x) { return (x - Vec(row_lse)).exp_u20(); }, s, s, cols);
             }
             const acc_t* pd = p_tile;
@@ -284,7 +282,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
               at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); },
                             ds, p_tile + r * kBlockK, ds, cols);
             }
-            // dK += dS^T Q   [cols, head_dim]  (scaled on store)
+            // dK += dS^T (scale Q)   [cols, head_dim]
             transpose_tile(ds_tile, kBlockK, rows, cols, t_tile, kBlockQ);
             tile_gemm<true>(cols, p.head_dim, rows, t_tile, kBlockQ, q_tile, ld_d, dk_tile, ld_d);
             // dQ += dS K   [rows, head_dim]  (scaled when the splits are summed)
@@ -293,7 +291,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
-          store_row(dk_tile + c * ld_d, p.head_dim, scale,
+          store_row(dk_tile + c * ld_d, p.head_dim, acc_t(1),
                     grad_k + (key0 + c) * p.grad_k_strides.row);
           store_row(dv_tile + c * ld_dv, p.head_dim_v, acc_t(1),
                     grad_v + (key0 + c) * p.grad_v_strides.row);

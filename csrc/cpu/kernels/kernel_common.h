@@ -44,14 +44,19 @@ T* thread_scratch(int64_t elements) {
   return buffer.data();
 }
 
-// dst[r * ld + c] = src[r * src_stride + c] for r < rows, c < cols, converted to acc_t.
+// dst[r * ld + c] = src[r * src_stride + c] * factor for r < rows, c < cols, converted to
+// acc_t. Query tiles load with factor = softmax scale, so scores come out of the GEMM scaled.
 template <typename scalar_t, typename acc_t>
 void load_rows(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols, acc_t* dst,
-               int64_t ld) {
+               int64_t ld, acc_t factor = acc_t(1)) {
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* in = src + r * src_stride;
     acc_t* out = dst + r * ld;
-    for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]);
+    if (factor == acc_t(1)) {
+      for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]) * factor;
+    }
   }
 }
 
@@ -95,9 +100,22 @@ void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum,
     std::fill(s, s + cols, acc_t(0));
     return;
   }
-  at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp_u20(); }, s, s, cols);
-  const acc_t tile_sum =
-      at::vec::reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, s, cols);
+  // p = exp(s - max), summed in the same pass.
+  const Vec max_vec(new_max);
+  Vec sum_vec(acc_t(0));
+  int64_t c = 0;
+  for (; c + Vec::size() <= cols; c += Vec::size()) {
+    const Vec p = (Vec::loadu(s + c) - max_vec).exp_u20();
+    p.store(s + c);
+    sum_vec = sum_vec + p;
+  }
+  if (c < cols) {
+    const int tail = static_cast<int>(cols - c);
+    const Vec p = (Vec::loadu(s + c, tail) - max_vec).exp_u20();
+    p.store(s + c, tail);
+    sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
+  }
+  const acc_t tile_sum = at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
   // exp(-inf) = 0 rescales an empty accumulator on the first visible tile.
   const acc_t rescale = std::exp(row_max - new_max);
   row_sum = row_sum * rescale + tile_sum;

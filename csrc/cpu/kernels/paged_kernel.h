@@ -132,12 +132,11 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
                                 (q_begin + first_query + r / group) * p.q_strides.token +
                                 (kv_head * group + r % group) * p.q_strides.head;
-        load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d);
+        load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
       }
       std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
       std::fill(row_max, row_max + rows, kMinusInf);
       std::fill(row_sum, row_sum + rows, acc_t(0));
-      const acc_t scale = static_cast<acc_t>(p.scale);
 
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
@@ -160,8 +159,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* s = s_tile + r * kBlockK;
           const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
-          at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, visible);
-          std::fill(s + visible, s + cols, kMinusInf);
+          std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
           online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
         }
         if (direct) {
