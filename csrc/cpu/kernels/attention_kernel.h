@@ -80,7 +80,8 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t scratch_size = kBlockQ * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               kBlockQ * kBlockK + kBlockQ * ld_dv + 2 * kBlockQ;
+                               kBlockQ * kBlockK + kBlockQ * ld_dv + 2 * kBlockQ +
+                               kBlockK * p.head_dim;
 
   at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
@@ -90,6 +91,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
     acc_t* o_tile = s_tile + kBlockQ * kBlockK;            // [kBlockQ, ld_dv]
     acc_t* row_max = o_tile + kBlockQ * ld_dv;             // [kBlockQ]
     acc_t* row_sum = row_max + kBlockQ;                    // [kBlockQ]
+    acc_t* staging = row_sum + kBlockQ;                    // [kBlockK, head_dim]
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t batch = task / (p.num_heads * q_blocks);
@@ -116,7 +118,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
         load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
-                             kt_tile, kBlockK);
+                             kt_tile, kBlockK, staging);
         load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
         // S = Q K^T   [rows, cols]
         tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
@@ -185,7 +187,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t tile = kBlockQ * kBlockK;
   const int64_t scratch_size = kBlockQ * ld_d + kBlockQ * ld_dv + kBlockK * ld_d +
                                p.head_dim * kBlockK + p.head_dim_v * kBlockK + 4 * tile +
-                               kBlockK * ld_d + kBlockK * ld_dv;
+                               kBlockK * ld_d + kBlockK * ld_dv + kBlockK * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
 
@@ -201,6 +203,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* t_tile = ds_tile + tile;                        // [kBlockK, kBlockQ] a transpose
     acc_t* dk_tile = t_tile + tile;                        // [kBlockK, ld_d]
     acc_t* dv_tile = dk_tile + kBlockK * ld_d;             // [kBlockK, ld_dv]
+    acc_t* staging = dv_tile + kBlockK * ld_dv;            // [kBlockK, head_dim_v]
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t batch = task / (p.num_kv_heads * splits);
@@ -222,7 +225,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         load_rows(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
         transpose_tile(k_tile, ld_d, cols, p.head_dim, kt_tile, kBlockK);
         load_rows_transposed(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v,
-                             vt_tile, kBlockK);
+                             vt_tile, kBlockK, staging);
         std::fill(dk_tile, dk_tile + cols * ld_d, acc_t(0));
         std::fill(dv_tile, dv_tile + cols * ld_dv, acc_t(0));
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "mha_ext/attention_params.h"
@@ -60,21 +61,25 @@ void load_rows(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t co
   }
 }
 
-// dst[c * ld + r] = src[r * src_stride + c]: a K or V block laid out as K^T / V^T.
-template <typename scalar_t, typename acc_t>
-void load_rows_transposed(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols,
-                          acc_t* dst, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* in = src + r * src_stride;
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<acc_t>(in[c]);
-  }
-}
-
+// dst[c * dst_ld + r] = src[r * src_ld + c]. at::vec transposes fp32 in 16 x 16 AVX-512
+// register blocks (plain loops on other ISAs and for fp64).
 template <typename acc_t>
 void transpose_tile(const acc_t* src, int64_t src_ld, int64_t rows, int64_t cols, acc_t* dst,
                     int64_t dst_ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
+  at::vec::transpose_mxn<acc_t>(src, src_ld, dst, dst_ld, static_cast<int>(rows),
+                                static_cast<int>(cols));
+}
+
+// dst[c * ld + r] = src[r * src_stride + c]: a K or V block laid out as K^T / V^T. Inputs
+// of another type are converted into `staging` ([rows, cols]) first.
+template <typename scalar_t, typename acc_t>
+void load_rows_transposed(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols,
+                          acc_t* dst, int64_t ld, acc_t* staging) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    transpose_tile(src, src_stride, rows, cols, dst, ld);
+  } else {
+    load_rows(src, src_stride, rows, cols, staging, cols);
+    transpose_tile(staging, cols, rows, cols, dst, ld);
   }
 }
 

@@ -32,18 +32,14 @@ const scalar_t* cache_row(const scalar_t* cache, const CacheStrides& strides, co
 }
 
 // Rows [first, first + count) of a paged K or V cache for one sequence and kv head, copied
-// like load_rows (or transposed into [dim, ld] when kTranspose).
-template <bool kTranspose, typename scalar_t, typename acc_t>
+// like load_rows.
+template <typename scalar_t, typename acc_t>
 void gather_cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
                        int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
                        int64_t dim, acc_t* dst, int64_t ld) {
   for (int64_t r = 0; r < count; ++r) {
-    const scalar_t* row = cache_row(cache, strides, block_table, block_size, kv_head, first + r);
-    if (kTranspose) {
-      for (int64_t d = 0; d < dim; ++d) dst[d * ld + r] = static_cast<acc_t>(row[d]);
-    } else {
-      load_rows(row, 0, 1, dim, dst + r * ld, ld);
-    }
+    load_rows(cache_row(cache, strides, block_table, block_size, kv_head, first + r), 0, 1, dim,
+              dst + r * ld, ld);
   }
 }
 
@@ -94,7 +90,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t scratch_size = tile_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows;
+                               tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows +
+                               kBlockK * p.head_dim;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 
@@ -106,6 +103,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
     acc_t* o_tile = s_tile + tile_rows * kBlockK;          // [tile_rows, ld_dv]
     acc_t* row_max = o_tile + tile_rows * ld_dv;           // [tile_rows]
     acc_t* row_sum = row_max + tile_rows;                  // [tile_rows]
+    acc_t* staging = row_sum + tile_rows;                  // [kBlockK, head_dim]
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / (p.num_kv_heads * q_chunks * splits);
@@ -151,8 +149,9 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
             }
           }
         } else {
-          gather_cache_rows<true>(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
-                                  key0, cols, p.head_dim, kt_tile, kBlockK);
+          gather_cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0,
+                            cols, p.head_dim, staging, p.head_dim);
+          transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
           // S = Q K^T   [rows, cols]
           tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
         }
@@ -175,7 +174,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
             }
           }
         } else {
-          gather_cache_rows<false>(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
+          gather_cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
                                    key0, cols, p.head_dim_v, v_tile, ld_dv);
           // O += P V   [rows, head_dim_v]
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
