@@ -90,23 +90,33 @@ void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
 }
 
 // One key tile's step of a row's online softmax. On entry s holds the tile's scores (-inf
-// where hidden); on exit it holds exp(s - new max), the running max and sum are updated and
-// the row's output accumulator is rescaled to the new max. While a row has seen no key, its
-// tile gets p = 0 and nothing changes.
+// where hidden); on exit it holds exp(s - row_max). The running max moves lazily: only when
+// a tile's max exceeds it by more than kRescaleMargin does it jump to that max, with the
+// sum and the row's output accumulator rescaled. Most tiles thus skip the rescale, and
+// p = exp(s - row_max) stays below e^8 (about 3000), harmless in fp32 sums. While a row has
+// seen no key, its tile gets p = 0 and nothing changes.
 template <typename acc_t>
 void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum, acc_t* o_row,
                          int64_t head_dim_v) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  constexpr acc_t kRescaleMargin = 8;
   const acc_t tile_max = at::vec::reduce_all<acc_t>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, cols);
-  const acc_t new_max = std::max(row_max, tile_max);
-  if (new_max == kMinusInf) {
+  if (tile_max == kMinusInf && row_max == kMinusInf) {
     std::fill(s, s + cols, acc_t(0));
     return;
   }
-  // p = exp(s - max), summed in the same pass.
-  const Vec max_vec(new_max);
+  if (tile_max > row_max + kRescaleMargin) {  // also the first tile with a visible key
+    if (row_sum != acc_t(0)) {
+      const acc_t rescale = std::exp(row_max - tile_max);
+      row_sum *= rescale;
+      at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o_row, o_row, head_dim_v);
+    }
+    row_max = tile_max;
+  }
+  // p = exp(s - row_max), summed in the same pass.
+  const Vec max_vec(row_max);
   Vec sum_vec(acc_t(0));
   int64_t c = 0;
   for (; c + Vec::size() <= cols; c += Vec::size()) {
@@ -120,14 +130,7 @@ void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum,
     p.store(s + c, tail);
     sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
   }
-  const acc_t tile_sum = at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
-  // exp(-inf) = 0 rescales an empty accumulator on the first visible tile.
-  const acc_t rescale = std::exp(row_max - new_max);
-  row_sum = row_sum * rescale + tile_sum;
-  row_max = new_max;
-  if (rescale != acc_t(1)) {
-    at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o_row, o_row, head_dim_v);
-  }
+  row_sum += at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
 // Writes a finished row: out = o / sum, and returns its logsumexp. A row that saw no key has
