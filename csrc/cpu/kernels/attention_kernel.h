@@ -69,6 +69,12 @@ void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dro
   }
 }
 
+// A forward task owns up to this many (query head, query block) sub-blocks that share one
+// kv head, and converts/transposes each K/V tile once for all of them: the query blocks of
+// one head, or the heads of a GQA group. perf put the per-tile K^T transpose at 9% of the
+// fp32 forward when every 64-row block redid it.
+constexpr int64_t kMaxSubBlocks = 8;
+
 template <typename scalar_t>
 void attention_forward_kernel(const AttentionForwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
@@ -76,70 +82,101 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ);
+  // Query blocks per task: as many as fit kMaxSubBlocks with the whole group, fewer while
+  // that would leave fewer than two tasks per thread.
+  int64_t blocks_per_task = std::max<int64_t>(1, std::min(q_blocks, kMaxSubBlocks / group));
+  while (blocks_per_task > 1 && p.batch * p.num_kv_heads * ceil_div(q_blocks, blocks_per_task) <
+                                    2 * at::get_num_threads()) {
+    --blocks_per_task;
+  }
+  const int64_t chunks = ceil_div(q_blocks, blocks_per_task);
+  const int64_t sub_blocks = group * blocks_per_task;
   // Row strides of the fp32 tiles, padded to whole vectors.
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t scratch_size = kBlockQ * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               kBlockQ * kBlockK + kBlockQ * ld_dv + 2 * kBlockQ +
+  const int64_t sub_rows = sub_blocks * kBlockQ;
+  const int64_t scratch_size = sub_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
+                               kBlockQ * kBlockK + sub_rows * ld_dv + 2 * sub_rows +
                                kBlockK * p.head_dim;
 
-  at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
-    acc_t* kt_tile = q_tile + kBlockQ * ld_d;              // [head_dim, kBlockK]
-    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;        // [kBlockK, ld_dv]
-    acc_t* s_tile = v_tile + kBlockK * ld_dv;              // [kBlockQ, kBlockK]
-    acc_t* o_tile = s_tile + kBlockQ * kBlockK;            // [kBlockQ, ld_dv]
-    acc_t* row_max = o_tile + kBlockQ * ld_dv;             // [kBlockQ]
-    acc_t* row_sum = row_max + kBlockQ;                    // [kBlockQ]
-    acc_t* staging = row_sum + kBlockQ;                    // [kBlockK, head_dim]
+  at::parallel_for(0, p.batch * p.num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kBlockQ, ld_d]
+    acc_t* kt_tile = q_tiles + sub_rows * ld_d;             // [head_dim, kBlockK]
+    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;         // [kBlockK, ld_dv]
+    acc_t* s_tile = v_tile + kBlockK * ld_dv;               // [kBlockQ, kBlockK]
+    acc_t* o_tiles = s_tile + kBlockQ * kBlockK;            // [sub_blocks, kBlockQ, ld_dv]
+    acc_t* row_max = o_tiles + sub_rows * ld_dv;            // [sub_blocks, kBlockQ]
+    acc_t* row_sum = row_max + sub_rows;                    // [sub_blocks, kBlockQ]
+    acc_t* staging = row_sum + sub_rows;                    // [kBlockK, head_dim]
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (p.num_heads * q_blocks);
-      const int64_t head = task / q_blocks % p.num_heads;
-      const int64_t row0 = task % q_blocks * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, p.seq_q - row0);
-      const int64_t kv_head = head / group;
-      const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
-                          head * p.q_strides.head + row0 * p.q_strides.row;
+      const int64_t batch = task / (p.num_kv_heads * chunks);
+      const int64_t kv_head = task / chunks % p.num_kv_heads;
+      const int64_t first_block = task % chunks * blocks_per_task;
+      const int64_t blocks = std::min(blocks_per_task, q_blocks - first_block);
+      // Sub-block i: head kv_head * group + i % group, query block first_block + i / group.
+      auto head_of = [&](int64_t i) { return kv_head * group + i % group; };
+      auto row0_of = [&](int64_t i) { return (first_block + i / group) * kBlockQ; };
+      auto rows_of = [&](int64_t i) { return std::min(kBlockQ, p.seq_q - row0_of(i)); };
       const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
                           kv_head * p.k_strides.head;
       const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
                           kv_head * p.v_strides.head;
 
-      load_rows(q, p.q_strides.row, rows, p.head_dim, q_tile, ld_d, static_cast<acc_t>(p.scale));
-      std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
-      std::fill(row_max, row_max + rows, kMinusInf);
-      std::fill(row_sum, row_sum + rows, acc_t(0));
+      for (int64_t i = 0; i < blocks * group; ++i) {
+        const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                            head_of(i) * p.q_strides.head + row0_of(i) * p.q_strides.row;
+        load_rows(q, p.q_strides.row, rows_of(i), p.head_dim, q_tiles + i * kBlockQ * ld_d, ld_d,
+                  static_cast<acc_t>(p.scale));
+      }
+      std::fill(o_tiles, o_tiles + blocks * group * kBlockQ * ld_dv, acc_t(0));
+      std::fill(row_max, row_max + blocks * group * kBlockQ, kMinusInf);
+      std::fill(row_sum, row_sum + blocks * group * kBlockQ, acc_t(0));
 
-      // Both window bounds grow with the row: the block's keys run from the first row's
-      // begin to the last row's end.
-      const int64_t key_begin = visible_keys(p.window, row0, p.seq_k).begin / kBlockK * kBlockK;
-      const int64_t key_end = visible_keys(p.window, row0 + rows - 1, p.seq_k).end;
+      // Both window bounds grow with the row: a query block's keys run from its first row's
+      // begin to its last row's end, and the task's from its first block to its last.
+      const int64_t last_row = std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1;
+      const int64_t key_begin = visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
+      const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
         load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
                              kt_tile, kBlockK, staging);
         load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
-        // S = Q K^T   [rows, cols]
-        tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
 
-        for (int64_t r = 0; r < rows; ++r) {
-          acc_t* s = s_tile + r * kBlockK;
-          mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
-          online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
-          // Dropout acts on the normalised probabilities, after their sum was taken.
-          if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+        for (int64_t i = 0; i < blocks * group; ++i) {
+          const int64_t head = head_of(i), row0 = row0_of(i), rows = rows_of(i);
+          if (key0 >= visible_keys(p.window, row0 + rows - 1, p.seq_k).end ||
+              key0 + cols <= visible_keys(p.window, row0, p.seq_k).begin) {
+            continue;  // no row of this block sees any key of the tile
+          }
+          const acc_t* q_tile = q_tiles + i * kBlockQ * ld_d;
+          acc_t* o_tile = o_tiles + i * kBlockQ * ld_dv;
+          // S = Q K^T   [rows, cols]
+          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+          for (int64_t r = 0; r < rows; ++r) {
+            acc_t* s = s_tile + r * kBlockK;
+            mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+            online_softmax_step(s, cols, row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
+                                o_tile + r * ld_dv, p.head_dim_v);
+            // Dropout acts on the normalised probabilities, after their sum was taken.
+            if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+          }
+          // O += P V   [rows, head_dim_v]
+          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }
-        // O += P V   [rows, head_dim_v]
-        tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
       }
 
-      scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
-                      head * p.out_strides.head + row0 * p.out_strides.row;
-      acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
-      for (int64_t r = 0; r < rows; ++r) {
-        lse[r] = finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r],
-                            out + r * p.out_strides.row);
+      for (int64_t i = 0; i < blocks * group; ++i) {
+        const int64_t head = head_of(i), row0 = row0_of(i);
+        scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
+                        head * p.out_strides.head + row0 * p.out_strides.row;
+        acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
+        for (int64_t r = 0; r < rows_of(i); ++r) {
+          lse[r] = finish_row(o_tiles + (i * kBlockQ + r) * ld_dv, p.head_dim_v,
+                              row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
+                              out + r * p.out_strides.row);
+        }
       }
     }
   });
