@@ -223,7 +223,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t tile = kBlockQ * kBlockK;
   const int64_t scratch_size = kBlockQ * ld_d + kBlockQ * ld_dv + kBlockK * ld_d +
-                               p.head_dim * kBlockK + p.head_dim_v * kBlockK + 4 * tile +
+                               p.head_dim * kBlockK + p.head_dim_v * kBlockK + 3 * tile +
                                kBlockK * ld_d + kBlockK * ld_dv + kBlockK * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
@@ -237,8 +237,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* p_tile = vt_tile + p.head_dim_v * kBlockK;      // [kBlockQ, kBlockK] P
     acc_t* pd_tile = p_tile + tile;                        // [kBlockQ, kBlockK] P after dropout
     acc_t* ds_tile = pd_tile + tile;                       // [kBlockQ, kBlockK] dP, then dS
-    acc_t* t_tile = ds_tile + tile;                        // [kBlockK, kBlockQ] a transpose
-    acc_t* dk_tile = t_tile + tile;                        // [kBlockK, ld_d]
+    acc_t* dk_tile = ds_tile + tile;                       // [kBlockK, ld_d]
     acc_t* dv_tile = dk_tile + kBlockK * ld_d;             // [kBlockK, ld_dv]
     acc_t* staging = dv_tile + kBlockK * ld_dv;            // [kBlockK, head_dim_v]
 
@@ -306,9 +305,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
               pd = pd_tile;
             }
             // dV += P_dropped^T dO   [cols, head_dim_v]
-            transpose_tile(pd, kBlockK, rows, cols, t_tile, kBlockQ);
-            tile_gemm<true>(cols, p.head_dim_v, rows, t_tile, kBlockQ, do_tile, ld_dv, dv_tile,
-                            ld_dv);
+            tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kBlockK, do_tile, ld_dv, dv_tile,
+                                  ld_dv);
             // dP = dO V^T   [rows, cols]
             tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kBlockK, ds_tile,
                              kBlockK);
@@ -323,8 +321,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                             ds, p_tile + r * kBlockK, ds, cols);
             }
             // dK += dS^T (scale Q)   [cols, head_dim]
-            transpose_tile(ds_tile, kBlockK, rows, cols, t_tile, kBlockQ);
-            tile_gemm<true>(cols, p.head_dim, rows, t_tile, kBlockQ, q_tile, ld_d, dk_tile, ld_d);
+            tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kBlockK, q_tile, ld_d, dk_tile,
+                                  ld_d);
             // dQ += dS K   [rows, head_dim]  (scaled when the splits are summed)
             tile_gemm<true>(rows, p.head_dim, cols, ds_tile, kBlockK, k_tile, ld_d,
                             grad_q_accum + row0 * p.head_dim, p.head_dim);
