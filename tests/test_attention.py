@@ -6,6 +6,7 @@ import mha_ext
 from mha_ext.reference import attention_reference
 
 from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv
+from test_paged import build_paged
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADS = [(8, 8), (8, 2), (8, 1)]
@@ -216,3 +217,38 @@ def test_empty_dimensions(shape):
     out.sum().backward()
     for leaf in leaves:
         assert leaf.grad.shape == leaf.shape and (leaf.grad == 0).all()
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_results_do_not_depend_on_the_thread_count(threads):
+    # The kernels size their tasks (query blocks per task, key splits in the backward) by
+    # the thread count; every row still sums its keys in the same order, so the forward is
+    # bitwise the same, and the backward's split partial sums agree to rounding.
+    q, k, v = random_qkv(1, 8, 1, 200, 333, 64)
+    grad_out = torch.randn(1, 8, 200, 64)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = mha_ext.attention(*leaves, causal="bottom_right", return_lse=True)
+        out.backward(grad_out)
+        return out, lse, [leaf.grad for leaf in leaves]
+
+    baseline = run()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        other = run()
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(other[0], baseline[0]) and torch.equal(other[1], baseline[1])
+    for grad, expected in zip(other[2], baseline[2]):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+    # Paged attention splits long contexts by the thread count too.
+    q2, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([100, 2000], [3, 1], 8, 1, 64, 16)
+    expected = mha_ext.paged_attention(q2, k_cache, v_cache, tables, seq_lens, cu)
+    torch.set_num_threads(threads)
+    try:
+        actual = mha_ext.paged_attention(q2, k_cache, v_cache, tables, seq_lens, cu)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
