@@ -1,10 +1,11 @@
 #pragma once
 // FlashAttention-2 style attention on the CPU, forward and backward.
 //
-// Forward: one task per (batch, head, 64-row query block). Key/value blocks of 64 rows
-// stream past the query block; scores live only in a 64 x 64 tile, an online softmax keeps
-// the running row max and row sum, and the output accumulates in fp32 (fp64 for double).
-// The logsumexp of each row is saved for the backward.
+// Forward: one task per (batch, kv head, chunk of 64-row query blocks), holding up to 8
+// (query head, query block) sub-blocks that share the kv head. Key/value blocks of 64 rows
+// stream past them, each converted once for all sub-blocks; scores live only in a 64 x 64
+// tile, an online softmax keeps each row's running max and sum, and the output accumulates
+// in fp32 (fp64 for double). The logsumexp of each row is saved for the backward.
 //
 // Backward: one task per (batch, kv head, split of the key range). For each key block the
 // task walks every query head of the GQA group and every query block that sees the keys,
