@@ -118,7 +118,9 @@ def scaled_dot_product_attention(
 
     Same arguments and semantics: (N, H, L, E) or (N, L, E) inputs, a bool (True = attend)
     or additive attn_mask broadcastable to (N, H, L, S), is_causal aligned top-left,
-    dropout applied whenever dropout_p > 0, and GQA only with enable_gqa=True.
+    dropout applied whenever dropout_p > 0, and GQA only with enable_gqa=True. Where torch
+    rejects attn_mask together with is_causal, this applies both. Rows that see no key
+    give 0 here where torch's math path gives NaN.
     """
     fn = "mha_ext.scaled_dot_product_attention"
     ranks = (query.dim(), key.dim(), value.dim())
