@@ -2,7 +2,6 @@
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-import torch
 from torch import Tensor, nn
 
 from . import functional
