@@ -170,6 +170,7 @@ void check_paged_index_values(PagedAttentionParams& p) {
               p.cu_seqlens_q[0], " and ", p.cu_seqlens_q[p.batch]);
   const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   p.max_queries_per_seq = 0;
+  p.max_seq_len = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t queries = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
     const int64_t seq_len = p.seq_lens[b];
@@ -187,6 +188,7 @@ void check_paged_index_values(PagedAttentionParams& p) {
                   ", ", i, "] = ", table[i], " is outside the cache's ", p.num_blocks, " blocks");
     }
     p.max_queries_per_seq = std::max(p.max_queries_per_seq, queries);
+    p.max_seq_len = std::max(p.max_seq_len, seq_len);
   }
 }
 

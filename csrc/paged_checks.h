@@ -24,7 +24,8 @@ PagedAttentionParams make_paged_attention_params(const at::Tensor& q, const at::
 
 // cu_seqlens_q starts at 0, never decreases and ends at total_q; each sequence has at least
 // as many cached tokens as queries and no more than its block table holds; every block id
-// it reads is inside the cache. Sets max_queries_per_seq. Index tensors: host memory.
+// it reads is inside the cache. Sets max_queries_per_seq and max_seq_len. Index tensors:
+// host memory.
 void check_paged_index_values(PagedAttentionParams& params);
 
 MergeStatesParams make_merge_params(const at::Tensor& out_a, const at::Tensor& lse_a,

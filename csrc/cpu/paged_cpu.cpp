@@ -37,9 +37,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, cons
   // Split long contexts when sequences x kv heads x query chunks leave threads idle; a
   // split below 256 keys would cost more in merging than it saves.
   const int64_t tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
-  const int64_t max_len = params.batch ? *std::max_element(params.seq_lens, params.seq_lens + params.batch) : 0;
   params.num_kv_splits = std::max<int64_t>(
-      1, std::min((2 * at::get_num_threads() + tasks - 1) / tasks, max_len / 256));
+      1, std::min((2 * at::get_num_threads() + tasks - 1) / tasks, params.max_seq_len / 256));
   at::Tensor partial_out, partial_lse;
   if (params.num_kv_splits > 1) {
     partial_out = at::empty({params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v},

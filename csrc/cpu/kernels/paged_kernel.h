@@ -136,9 +136,9 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       std::fill(row_max, row_max + rows, kMinusInf);
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
+      const bool direct = rows <= kDirectRows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
-        const bool direct = rows <= kDirectRows;
         if (direct) {
           // S[:, c] = Q k_c, one cached key row at a time: no K^T tile to build.
           for (int64_t c = 0; c < cols; ++c) {
@@ -174,8 +174,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
             }
           }
         } else {
-          gather_cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
-                                   key0, cols, p.head_dim_v, v_tile, ld_dv);
+          gather_cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0,
+                            cols, p.head_dim_v, v_tile, ld_dv);
           // O += P V   [rows, head_dim_v]
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }

@@ -51,7 +51,8 @@ struct PagedAttentionParams {
   int64_t max_blocks_per_seq = 0;
   int64_t block_table_stride = 0;
   int64_t total_q = 0;
-  int64_t max_queries_per_seq = 0;
+  int64_t max_queries_per_seq = 0;  // largest cu_seqlens_q step: sizes the query chunks
+  int64_t max_seq_len = 0;          // largest seq_lens entry: plans the key splits
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
