@@ -5,16 +5,27 @@ Run in a fresh process, since the peak resident set size (ru_maxrss) only ever g
     python benchmarks/peak_memory.py --batch 1 --heads 8 --seq 16384 --head-dim 64
 
 "Extra" is the growth of the peak RSS over the resident size once the inputs, the output
-gradient and the thread pools exist: outputs, gradients and every kernel workspace.
+gradient and the thread pools exist: outputs, gradients and every kernel workspace. Pages of
+shared libraries (libtorch's code) that the run faults in, for instance after other
+programs pushed them out of the page cache, are file-backed, not memory the attention
+allocates, and are taken off.
 """
 import argparse
+import ctypes
 import json
 import resource
 import time
 
-import torch
+# glibc raises its mmap threshold after large frees, after which big tensors may come from
+# (and stay in) the heap: resident memory then depends on allocation order and thread timing
+# (seen once as +60 MiB in a CI run). A fixed threshold, set before torch allocates, makes
+# every large tensor its own mapping, returned when freed.
+M_MMAP_THRESHOLD = -3
+ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 
-import mha_ext
+import torch  # noqa: E402
+
+import mha_ext  # noqa: E402
 
 MIB = 1 << 20
 
@@ -22,6 +33,15 @@ MIB = 1 << 20
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def resident_file_bytes() -> int:
+    """File-backed resident memory (RssFile in /proc/self/status)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("peak_memory.py: /proc/self/status has no RssFile line")
 
 
 def peak_resident_bytes() -> int:
@@ -34,12 +54,13 @@ def measure(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> di
     # Thread pools and per-thread scratch come up on a small call first.
     small = [t.detach()[:, :, :128].clone().requires_grad_() for t in (q, k, v)]
     mha_ext.attention(*small).sum().backward()
-    baseline = resident_bytes()
+    baseline, baseline_file = resident_bytes(), resident_file_bytes()
     start = time.perf_counter()
     out = mha_ext.attention(q, k, v, causal="bottom_right" if causal else None)
     out.backward(grad_out)
     seconds = time.perf_counter() - start
-    extra = max(peak_resident_bytes() - baseline, 0)
+    file_growth = max(resident_file_bytes() - baseline_file, 0)
+    extra = max(peak_resident_bytes() - baseline - file_growth, 0)
     score_matrix = seq * seq * 4  # one head's fp32 S x S matrix
     return {
         "shape": list(shape),
