@@ -19,6 +19,7 @@
 
 #include "blocking.h"
 #include "kernel_common.h"
+#include "mha_ext/attn_mask.h"
 #include "mha_ext/key_window.h"
 #include "mha_ext/philox.h"
 #include "tile_gemm.h"
@@ -41,8 +42,7 @@ void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, in
 
   const AttnMaskParams& mask = p.mask;
   if (mask.kind == MaskKind::kNone) return;
-  const int64_t offset = batch * mask.batch_stride + head * mask.head_stride +
-                         row * mask.row_stride + key0 * mask.col_stride;
+  const int64_t offset = mask_offset(mask, batch, head, row, key0);
   if (mask.kind == MaskKind::kBool) {
     const bool* keep = static_cast<const bool*>(mask.data) + offset;
     for (int64_t c = begin; c < end; ++c) {
