@@ -5,6 +5,7 @@ Environment:
                         0: CPU only; 1: CUDA required (fails loudly when it cannot be built).
   CUDA_HOME             CUDA toolkit; else /usr/local/cuda when it holds nvcc and libcudart.
   TORCH_CUDA_ARCH_LIST  GPU architectures; with no GPU visible it defaults to "8.0;9.0".
+  MHA_EXT_HEAD_DIMS     head dims with tensor-core attention kernels (default "64,128").
   MAX_JOBS              parallel compile jobs (ninja).
 """
 import os
@@ -84,7 +85,23 @@ def cpu_sources():
 
 
 def cuda_sources():
-    return ["csrc/cuda/dropout_mask_api.cpp", "csrc/cuda/kernels/dropout_mask.cu"]
+    kernels = ["attention.cu", "attention_mma.cu", "dropout_mask.cu", "paged.cu"]
+    return ["csrc/cuda/attention_cuda.cpp", "csrc/cuda/paged_cuda.cpp"] + [
+        f"csrc/cuda/kernels/{name}" for name in kernels
+    ]
+
+
+def tensor_core_head_dims():
+    """Head dims that get a tensor-core attention kernel: 64 and 128 unless MHA_EXT_HEAD_DIMS
+    (comma-separated multiples of 16 up to 256) says otherwise. Each one adds compile time."""
+    setting = os.environ.get("MHA_EXT_HEAD_DIMS", "64,128")
+    try:
+        dims = sorted({int(dim) for dim in setting.split(",") if dim.strip()})
+    except ValueError:
+        dims = []
+    if not dims or any(dim % 16 or not 16 <= dim <= 256 for dim in dims):
+        sys.exit(f"setup.py: MHA_EXT_HEAD_DIMS must list multiples of 16 in [16, 256], got {setting!r}")
+    return dims
 
 
 def extension():
@@ -101,11 +118,14 @@ def extension():
         )
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").strip(";").replace(";", ",")
     cxx_flags += ["-DMHA_EXT_WITH_CUDA", f"-DMHA_EXT_CUDA_ARCHS={archs}"]
+    # Bit i compiles head dim 16 * (i + 1) (see csrc/cuda/kernels/attention_mma.cu).
+    head_dim_mask = sum(1 << (dim // 16 - 1) for dim in tensor_core_head_dims())
+    head_dims = f"-DMHA_EXT_HEAD_DIM_MASK={head_dim_mask}"
     return cpp_extension.CUDAExtension(
         "mha_ext._C",
         cpu_sources() + cuda_sources(),
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", head_dims]},
         extra_link_args=["-fopenmp"],
     )
 

@@ -2,7 +2,7 @@
 // (mha_ext/philox.h), so one seed gives one mask on every backend.
 #include <algorithm>
 
-#include "cuda/kernels/dropout_mask.h"
+#include "cuda/kernels/launchers.h"
 #include "mha_ext/philox.h"
 
 namespace mha_ext::cuda {

@@ -1,0 +1,316 @@
+// Tensor-core attention forward for fp16 and bf16 (FlashAttention-2 schedule, sm_80+):
+// a block of 4 warps owns 64 query rows of one head (16 per warp, kept as MMA fragments in
+// registers); key tiles of 64 keys and their values are staged in shared memory; S = Q K^T
+// and O += P V run on mma.sync.m16n8k16 with fp32 accumulation, and the online softmax
+// works on the S fragments in registers, so P never leaves the warp.
+//
+// Fragment layout of mma.m16n8k16 (PTX ISA), lane = 4 * g + t:
+//   A (16x16, row major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16x8, k x n):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C (16x8, fp32):       c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// Two adjacent n-tiles of a C fragment (keys 0-7 and 8-15) are exactly the A fragment of the
+// next product, which is how P feeds P V without a trip through shared memory.
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/kernels/common.cuh"
+#include "cuda/kernels/tensor_core.h"
+
+// Head dims with a tensor-core kernel: bit i set compiles head dim 16 * (i + 1). The build
+// derives the mask from MHA_EXT_HEAD_DIMS (a list would not survive nvcc's -D, which splits
+// values at commas); the default 136 is head dims 64 and 128. Others run the generic kernels.
+#ifndef MHA_EXT_HEAD_DIM_MASK
+#define MHA_EXT_HEAD_DIM_MASK 136
+#endif
+
+namespace mha_ext::cuda {
+namespace {
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * kWarpSize;
+constexpr int kMmaRows = 16 * kMmaWarps;  // query rows per block
+constexpr int kMmaKeys = 64;              // keys per tile
+constexpr int kFragmentsPerTile = kMmaKeys / 8;
+
+// Two 16-bit values in one 32-bit register, `low` in the low half (the lower index).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(T low, T high) {
+  uint16_t low_bits, high_bits;
+  memcpy(&low_bits, &low, sizeof(low_bits));
+  memcpy(&high_bits, &high, sizeof(high_bits));
+  return static_cast<uint32_t>(low_bits) | (static_cast<uint32_t>(high_bits) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_floats(float low, float high, __half) {
+  const __half2 pair = __floats2half2_rn(low, high);
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof(bits));
+  return bits;
+}
+
+__device__ __forceinline__ uint32_t pack_floats(float low, float high, __nv_bfloat16) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof(bits));
+  return bits;
+}
+
+// Two consecutive 16-bit elements (the first at an even index) as one register.
+template <typename T>
+__device__ __forceinline__ uint32_t load_pair(const T* pair) {
+  return *reinterpret_cast<const uint32_t*>(pair);
+}
+
+// c += a * b on the tensor cores, fp32 accumulation.
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                            __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                            __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Shared tiles hold kDim + 8 elements per row: rows then start 16 bytes apart modulo 128,
+// so the 8 rows (g) x 4 pairs (t) a fragment load touches fall on 32 different banks.
+template <int kDim>
+constexpr int kTileLd = kDim + 8;
+
+// Copies rows [first, first + tile_rows) of a [count, kDim] matrix into a shared tile in
+// 16-byte pieces; rows at or past `count` are zero (finite: 0 * P adds nothing).
+template <typename T, int kDim>
+__device__ __forceinline__ void load_tile(T* tile, int tile_rows, const T* src, int64_t ld_src,
+                                          int64_t first, int64_t count) {
+  constexpr int kPiecesPerRow = kDim * sizeof(T) / sizeof(uint4);
+  for (int idx = threadIdx.x; idx < tile_rows * kPiecesPerRow; idx += kMmaThreads) {
+    const int r = idx / kPiecesPerRow, piece = idx % kPiecesPerRow;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (first + r < count) {
+      value = *reinterpret_cast<const uint4*>(src + (first + r) * ld_src + piece * 8);
+    }
+    *reinterpret_cast<uint4*>(tile + r * kTileLd<kDim> + piece * 8) = value;
+  }
+}
+
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kMmaThreads)
+    attention_forward_mma(AttentionForwardParams p, const int64_t* seed) {
+  static_assert(kDim % 16 == 0 && kDim <= 256, "tensor-core head dims are multiples of 16 up to 256");
+  constexpr int kLd = kTileLd<kDim>;
+  constexpr int kDimSteps = kDim / 16;     // k-steps of S = Q K^T
+  constexpr int kDimFragments = kDim / 8;  // n-tiles of O
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kMmaKeys, kLd]; first stages Q
+  T* v_tile = k_tile + kMmaKeys * kLd;             // [kMmaKeys, kLd]
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t batch = blockIdx.z, head = blockIdx.y;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t kv_head = head / (p.num_heads / p.num_kv_heads);
+  if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
+
+  // Q fragments of the warp's 16 rows, staged through the K tile.
+  load_tile<T, kDim>(k_tile, kMmaRows, q, p.q_strides.row, row0, p.seq_q);
+  __syncthreads();
+  uint32_t q_frag[kDimSteps][4];
+  const T* q_rows = k_tile + (warp * 16 + g) * kLd + 2 * t;
+#pragma unroll
+  for (int step = 0; step < kDimSteps; ++step) {
+    q_frag[step][0] = load_pair(q_rows + step * 16);
+    q_frag[step][1] = load_pair(q_rows + 8 * kLd + step * 16);
+    q_frag[step][2] = load_pair(q_rows + step * 16 + 8);
+    q_frag[step][3] = load_pair(q_rows + 8 * kLd + step * 16 + 8);
+  }
+
+  // This thread's two rows: r = 0 is row g of the warp's 16, r = 1 row g + 8.
+  const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+  float o_acc[kDimFragments][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this thread's share; the quad adds up at the end
+  const float scale = static_cast<float>(p.scale);
+
+  // Tiles start at multiples of kMmaKeys, so the pair of keys a thread holds (an even key
+  // and the next) always shares one group of 4 Philox words.
+  const int64_t last_row = min(row0 + kMmaRows, p.seq_q) - 1;
+  const int64_t key_begin = visible_keys(p.window, row0, p.seq_k).begin / kMmaKeys * kMmaKeys;
+  const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
+  for (int64_t key0 = key_begin; key0 < key_end; key0 += kMmaKeys) {
+    __syncthreads();  // the previous tile (or Q) is no longer read
+    load_tile<T, kDim>(k_tile, kMmaKeys, k, p.k_strides.row, key0, p.seq_k);
+    load_tile<T, kDim>(v_tile, kMmaKeys, v, p.v_strides.row, key0, p.seq_k);
+    __syncthreads();
+
+    // S = Q K^T: B[d][key] = K[key][d], so a B fragment is a pair of one K row.
+    float s[kFragmentsPerTile][4] = {};
+#pragma unroll
+    for (int n = 0; n < kFragmentsPerTile; ++n) {
+      const T* k_row = k_tile + (n * 8 + g) * kLd + 2 * t;
+#pragma unroll
+      for (int step = 0; step < kDimSteps; ++step) {
+        const uint32_t b[2] = {load_pair(k_row + step * 16), load_pair(k_row + step * 16 + 8)};
+        mma_16x8x16(s[n], q_frag[step], b, T{});
+      }
+    }
+
+    // Scale, then the window / mask / sequence end per element where the tile needs it.
+    const bool whole_tile_visible =
+        p.mask.kind == MaskKind::kNone && key0 + kMmaKeys <= p.seq_k &&
+        visible_keys(p.window, row0, p.seq_k).end >= key0 + kMmaKeys &&
+        visible_keys(p.window, last_row, p.seq_k).begin <= key0;
+#pragma unroll
+    for (int n = 0; n < kFragmentsPerTile; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = key0 + n * 8 + 2 * t + (e & 1);
+        float score = s[n][e] * scale;
+        // Rows past seq_q are never stored; they must not read the mask either.
+        if (!whole_tile_visible) {
+          score = rows[e / 2] < p.seq_q ? masked_score<T>(score, p, batch, head, rows[e / 2], col) : -INFINITY;
+        }
+        s[n][e] = score;
+      }
+    }
+
+    // Online softmax per row; the 4 threads of a quad (same g) share a row.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kFragmentsPerTile; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+      const float new_max = fmaxf(row_max[r], tile_max);
+      const bool empty = new_max == -INFINITY;
+      const float rescale = empty ? 1.f : __expf(row_max[r] - new_max);
+      const float base = empty ? 0.f : new_max;
+      row_max[r] = new_max;
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int f = 0; f < kDimFragments; ++f) {
+        o_acc[f][2 * r] *= rescale;
+        o_acc[f][2 * r + 1] *= rescale;
+      }
+#pragma unroll
+      for (int n = 0; n < kFragmentsPerTile; ++n) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          s[n][e] = __expf(s[n][e] - base);
+          row_sum[r] += s[n][e];
+        }
+      }
+    }
+
+    // Dropout on the probabilities after their sum was taken.
+    if (p.dropout.enabled) {
+      const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+#pragma unroll
+      for (int n = 0; n < kFragmentsPerTile; ++n) {
+        const int64_t col = key0 + n * 8 + 2 * t;  // even: col and col + 1 share a word group
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const Philox4x32 bits = dropout_bits(p.dropout.seed, batch, head, rows[r], col);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const bool kept = dropout_word_kept(p.dropout, bits.word[(col & 3) + i]);
+            s[n][2 * r + i] = kept ? s[n][2 * r + i] * keep_scale : 0.f;
+          }
+        }
+      }
+    }
+
+    // O += P V: P's A fragments come from S's C fragments; B[key][d] = V[key][d] needs two
+    // rows per register.
+#pragma unroll
+    for (int step = 0; step < kMmaKeys / 16; ++step) {
+      const uint32_t a[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
+                             pack_floats(s[2 * step][2], s[2 * step][3], T{}),
+                             pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
+                             pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
+      const T* v_rows = v_tile + (step * 16 + 2 * t) * kLd + g;
+#pragma unroll
+      for (int f = 0; f < kDimFragments; ++f) {
+        const T* v_col = v_rows + f * 8;
+        const uint32_t b[2] = {pack_pair(v_col[0], v_col[kLd]), pack_pair(v_col[8 * kLd], v_col[9 * kLd])};
+        mma_16x8x16(o_acc[f], a, b, T{});
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
+  float* lse = static_cast<float*>(p.lse) + (batch * p.num_heads + head) * p.seq_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float total = row_sum[r];
+    total += __shfl_xor_sync(kFullMask, total, 1);
+    total += __shfl_xor_sync(kFullMask, total, 2);
+    if (rows[r] >= p.seq_q) continue;
+    const float inv_sum = total == 0.f ? 0.f : 1.f / total;
+    T* out_row = out + rows[r] * p.out_strides.row + 2 * t;
+#pragma unroll
+    for (int f = 0; f < kDimFragments; ++f) {
+      store_as(out_row + f * 8, o_acc[f][2 * r] * inv_sum);
+      store_as(out_row + f * 8 + 1, o_acc[f][2 * r + 1] * inv_sum);
+    }
+    if (t == 0) lse[rows[r]] = total == 0.f ? -INFINITY : row_max[r] + logf(total);
+  }
+}
+
+// Launches the kernel compiled for params.head_dim; false when none is.
+template <typename T, int... kSlots>
+bool launch_forward_for_dim(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream,
+                            std::integer_sequence<int, kSlots...>) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  auto launch = [&](auto slot) {
+    constexpr int kSlot = decltype(slot)::value;
+    constexpr int kDim = 16 * (kSlot + 1);
+    if constexpr (((MHA_EXT_HEAD_DIM_MASK >> kSlot) & 1) == 0) {
+      return false;
+    } else {
+      if (p.head_dim != kDim) return false;
+      const size_t shared = 2 * kMmaKeys * kTileLd<kDim> * sizeof(T);
+      auto* kernel = attention_forward_mma<T, kDim>;
+      if (shared > 48 * 1024) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+      }
+      kernel<<<grid, kMmaThreads, shared, stream>>>(p, seed);
+      return true;
+    }
+  };
+  return (launch(std::integral_constant<int, kSlots>{}) || ...);
+}
+
+bool aligned_rows(const void* data, const RowStrides& strides) {
+  // 16-byte loads: every row of 16-bit elements starts on a multiple of 8 elements.
+  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && strides.batch % 8 == 0 && strides.head % 8 == 0 &&
+         strides.row % 8 == 0;
+}
+
+}  // namespace
+
+bool tensor_core_forward(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if (p.head_dim != p.head_dim_v || !aligned_rows(p.q, p.q_strides) || !aligned_rows(p.k, p.k_strides) ||
+      !aligned_rows(p.v, p.v_strides)) {
+    return false;
+  }
+  constexpr auto kSlots = std::make_integer_sequence<int, 16>{};  // head dims 16, 32, ..., 256
+  return p.dtype == DType::kFloat16 ? launch_forward_for_dim<__half>(p, seed, stream, kSlots)
+                                    : launch_forward_for_dim<__nv_bfloat16>(p, seed, stream, kSlots);
+}
+
+}  // namespace mha_ext::cuda
