@@ -86,7 +86,7 @@ def cpu_sources():
 
 def cuda_sources():
     kernels = ["attention.cu", "attention_mma.cu", "dropout_mask.cu", "paged.cu"]
-    return ["csrc/cuda/attention_cuda.cpp", "csrc/cuda/paged_cuda.cpp"] + [
+    return ["csrc/cuda/device_ops.cpp", "csrc/cuda/register_cuda.cpp"] + [
         f"csrc/cuda/kernels/{name}" for name in kernels
     ]
 

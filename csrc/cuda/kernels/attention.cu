@@ -394,7 +394,8 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& p, const in
   }
   // Every key block runs, also with no query rows: it writes its (zero) dK and dV.
   if (p.seq_k > 0) {
-    const cudaError_t status = backward_simt(p, seed, stream);
+    const bool done = choice.allow_tensor_cores && tensor_core_backward(p, seed, stream);
+    const cudaError_t status = done ? cudaGetLastError() : backward_simt(p, seed, stream);
     if (status != cudaSuccess) return status;
   }
   if (p.seq_q == 0) return cudaSuccess;

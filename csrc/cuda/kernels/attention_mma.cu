@@ -269,29 +269,249 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
-// Launches the kernel compiled for params.head_dim; false when none is.
-template <typename T, int... kSlots>
-bool launch_forward_for_dim(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream,
-                            std::integer_sequence<int, kSlots...>) {
-  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)),
-                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
-  auto launch = [&](auto slot) {
+// Backward (FlashAttention-2 schedule): a block owns 64 keys of one kv head (16 per warp)
+// and walks, for every query head of its GQA group, the query rows that see them in tiles of
+// 32. Per tile each warp recomputes S^T = K Q^T for its keys on the tensor cores, P^T from
+// the saved logsumexp, dP^T = V dO^T and dS^T; then accumulates dV += P^T dO and
+// dK += dS^T Q in registers (P^T and dS^T feed the MMAs straight from their C fragments),
+// and leaves dS in shared memory for dQ = dS K, which the warps add into the fp32
+// workspace with atomics.
+constexpr int kBwdKeys = 16 * kMmaWarps;  // keys per block
+constexpr int kBwdRows = 32;              // query rows per tile
+constexpr int kBwdFragments = kBwdRows / 8;
+constexpr int kDsLd = kBwdKeys + 8;       // dS tile row stride (bank spread, as kTileLd)
+
+template <int kDim>
+constexpr size_t kBwdSharedBytes =
+    (2 * kBwdKeys + 2 * kBwdRows) * kTileLd<kDim> * 2 + kBwdRows * kDsLd * 2 + 2 * kBwdRows * sizeof(float);
+
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kMmaThreads)
+    attention_backward_mma(AttentionBackwardParams p, const int64_t* seed) {
+  constexpr int kLd = kTileLd<kDim>;
+  constexpr int kDimSteps = kDim / 16;
+  constexpr int kDimFragments = kDim / 8;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kBwdKeys, kLd]
+  T* v_tile = k_tile + kBwdKeys * kLd;             // [kBwdKeys, kLd]
+  T* q_tile = v_tile + kBwdKeys * kLd;             // [kBwdRows, kLd]
+  T* do_tile = q_tile + kBwdRows * kLd;            // [kBwdRows, kLd]
+  T* ds_tile = do_tile + kBwdRows * kLd;           // [kBwdRows, kDsLd]: dS (query-major)
+  float* lse_rows = reinterpret_cast<float*>(ds_tile + kBwdRows * kDsLd);  // [kBwdRows]
+  float* delta_rows = lse_rows + kBwdRows;                                  // [kBwdRows]
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t batch = blockIdx.z, kv_head = blockIdx.y;
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBwdKeys;
+  const int64_t keys = min(static_cast<int64_t>(kBwdKeys), p.seq_k - key0);
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const float scale = static_cast<float>(p.scale);
+  if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
+  const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+
+  load_tile<T, kDim>(k_tile, kBwdKeys,
+                     static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head,
+                     p.k_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(v_tile, kBwdKeys,
+                     static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head,
+                     p.v_strides.row, key0, p.seq_k);
+
+  // This thread's keys in the C fragments of S^T: r = 0 is key g of the warp's 16, r = 1 key g + 8.
+  const int warp_key = warp * 16;
+  const int64_t my_keys[2] = {key0 + warp_key + g, key0 + warp_key + g + 8};
+  float grad_k[kDimFragments][4] = {};
+  float grad_v[kDimFragments][4] = {};
+  const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + keys, p.seq_q);
+
+  for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+    const int64_t bh = batch * p.num_heads + head;
+    const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
+    const T* grad_out = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                        head * p.grad_out_strides.head;
+    float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
+    for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBwdRows) {
+      __syncthreads();  // the previous tile's Q, dO and dS are no longer read (K, V complete)
+      load_tile<T, kDim>(q_tile, kBwdRows, q, p.q_strides.row, row0, p.seq_q);
+      load_tile<T, kDim>(do_tile, kBwdRows, grad_out, p.grad_out_strides.row, row0, p.seq_q);
+      if (threadIdx.x < kBwdRows) {
+        const int64_t row = row0 + threadIdx.x;
+        lse_rows[threadIdx.x] = row < p.seq_q ? static_cast<const float*>(p.lse)[bh * p.seq_q + row] : -INFINITY;
+        delta_rows[threadIdx.x] = row < p.seq_q ? static_cast<const float*>(p.delta)[bh * p.seq_q + row] : 0.f;
+      }
+      __syncthreads();
+
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x the tile's 32 rows: A from
+      // K / V rows, B[d][row] = Q[row][d] / dO[row][d], a pair of one row each.
+      float s[kBwdFragments][4] = {}, dp[kBwdFragments][4] = {};
+      const T* k_rows = k_tile + (warp_key + g) * kLd + 2 * t;
+      const T* v_rows = v_tile + (warp_key + g) * kLd + 2 * t;
+#pragma unroll
+      for (int step = 0; step < kDimSteps; ++step) {
+        const uint32_t a_k[4] = {load_pair(k_rows + step * 16), load_pair(k_rows + 8 * kLd + step * 16),
+                                 load_pair(k_rows + step * 16 + 8), load_pair(k_rows + 8 * kLd + step * 16 + 8)};
+        const uint32_t a_v[4] = {load_pair(v_rows + step * 16), load_pair(v_rows + 8 * kLd + step * 16),
+                                 load_pair(v_rows + step * 16 + 8), load_pair(v_rows + 8 * kLd + step * 16 + 8)};
+#pragma unroll
+        for (int n = 0; n < kBwdFragments; ++n) {
+          const T* q_row = q_tile + (n * 8 + g) * kLd + step * 16 + 2 * t;
+          const T* do_row = do_tile + (n * 8 + g) * kLd + step * 16 + 2 * t;
+          const uint32_t b_q[2] = {load_pair(q_row), load_pair(q_row + 8)};
+          const uint32_t b_do[2] = {load_pair(do_row), load_pair(do_row + 8)};
+          mma_16x8x16(s[n], a_k, b_q, T{});
+          mma_16x8x16(dp[n], a_v, b_do, T{});
+        }
+      }
+
+      // P^T = exp(S^T - lse) (dropped where dropout drops), dS^T = P^T * (dP^T dropped - delta).
+#pragma unroll
+      for (int n = 0; n < kBwdFragments; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int local_row = n * 8 + 2 * t + (e & 1);
+          const int64_t row = row0 + local_row, key = my_keys[e / 2];
+          float prob = 0.f, grad_score = 0.f, prob_dropped = 0.f;
+          // Rows past seq_q have lse -inf; keys past seq_k are hidden by masked_score.
+          if (lse_rows[local_row] != -INFINITY) {
+            const float score = masked_score<T>(s[n][e] * scale, p, batch, head, row, key);
+            prob = __expf(score - lse_rows[local_row]);
+            float grad_prob = dp[n][e];
+            prob_dropped = prob;
+            if (p.dropout.enabled && !dropout_keeps(p.dropout, batch, head, row, key)) {
+              prob_dropped = 0.f;
+              grad_prob = 0.f;
+            } else if (p.dropout.enabled) {
+              prob_dropped *= keep_scale;
+              grad_prob *= keep_scale;
+            }
+            grad_score = prob * (grad_prob - delta_rows[local_row]);
+          }
+          s[n][e] = prob_dropped;
+          dp[n][e] = grad_score;
+          store_as(ds_tile + local_row * kDsLd + warp_key + g + 8 * (e / 2), grad_score);
+        }
+      }
+
+      // dV += P^T dO and dK += dS^T Q: A from the C fragments, B[row][d] two rows per register.
+#pragma unroll
+      for (int step = 0; step < kBwdRows / 16; ++step) {
+        const uint32_t a_p[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
+                                 pack_floats(s[2 * step][2], s[2 * step][3], T{}),
+                                 pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
+                                 pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
+        const uint32_t a_ds[4] = {pack_floats(dp[2 * step][0], dp[2 * step][1], T{}),
+                                  pack_floats(dp[2 * step][2], dp[2 * step][3], T{}),
+                                  pack_floats(dp[2 * step + 1][0], dp[2 * step + 1][1], T{}),
+                                  pack_floats(dp[2 * step + 1][2], dp[2 * step + 1][3], T{})};
+        const T* do_col = do_tile + (step * 16 + 2 * t) * kLd + g;
+        const T* q_col = q_tile + (step * 16 + 2 * t) * kLd + g;
+#pragma unroll
+        for (int f = 0; f < kDimFragments; ++f) {
+          const uint32_t b_do[2] = {pack_pair(do_col[f * 8], do_col[kLd + f * 8]),
+                                    pack_pair(do_col[8 * kLd + f * 8], do_col[9 * kLd + f * 8])};
+          const uint32_t b_q[2] = {pack_pair(q_col[f * 8], q_col[kLd + f * 8]),
+                                   pack_pair(q_col[8 * kLd + f * 8], q_col[9 * kLd + f * 8])};
+          mma_16x8x16(grad_v[f], a_p, b_do, T{});
+          mma_16x8x16(grad_k[f], a_ds, b_q, T{});
+        }
+      }
+      __syncthreads();  // dS complete
+
+      // dQ += dS K (scaled when dQ is cast): warp w takes rows 16 (w % 2) .. + 15 and head dims
+      // kDim / 2 * (w / 2) .. + kDim / 2 - 1, over the block's 64 keys.
+      const int dq_row = 16 * (warp % 2);
+      const int dq_dim = kDim / 2 * (warp / 2);
+      float grad_q[kDimFragments / 2][4] = {};
+#pragma unroll
+      for (int step = 0; step < kBwdKeys / 16; ++step) {
+        const T* ds_row = ds_tile + (dq_row + g) * kDsLd + step * 16 + 2 * t;
+        const uint32_t a[4] = {load_pair(ds_row), load_pair(ds_row + 8 * kDsLd), load_pair(ds_row + 8),
+                               load_pair(ds_row + 8 * kDsLd + 8)};
+        const T* k_col = k_tile + (step * 16 + 2 * t) * kLd + dq_dim + g;
+#pragma unroll
+        for (int f = 0; f < kDimFragments / 2; ++f) {
+          const uint32_t b[2] = {pack_pair(k_col[f * 8], k_col[kLd + f * 8]),
+                                 pack_pair(k_col[8 * kLd + f * 8], k_col[9 * kLd + f * 8])};
+          mma_16x8x16(grad_q[f], a, b, T{});
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = row0 + dq_row + g + 8 * (e / 2);
+        if (row >= p.seq_q) continue;
+#pragma unroll
+        for (int f = 0; f < kDimFragments / 2; ++f) {
+          atomicAdd(grad_q_accum + row * p.head_dim + dq_dim + f * 8 + 2 * t + (e & 1), grad_q[f][e]);
+        }
+      }
+    }
+  }
+
+  // dK = dS^T (scale Q): the scale applied once here.
+  T* grad_k_out = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + kv_head * p.grad_k_strides.head;
+  T* grad_v_out = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + kv_head * p.grad_v_strides.head;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t key = my_keys[e / 2];
+    if (key >= p.seq_k) continue;
+#pragma unroll
+    for (int f = 0; f < kDimFragments; ++f) {
+      const int64_t d = f * 8 + 2 * t + (e & 1);
+      store_as(grad_k_out + key * p.grad_k_strides.row + d, grad_k[f][e] * scale);
+      store_as(grad_v_out + key * p.grad_v_strides.row + d, grad_v[f][e]);
+    }
+  }
+}
+
+// Calls launch(std::integral_constant<int, kDim>) for the compiled head dim equal to
+// head_dim; false when none is.
+template <typename Launch, int... kSlots>
+bool for_compiled_head_dim(int64_t head_dim, Launch&& launch, std::integer_sequence<int, kSlots...>) {
+  auto try_slot = [&](auto slot) {
     constexpr int kSlot = decltype(slot)::value;
-    constexpr int kDim = 16 * (kSlot + 1);
     if constexpr (((MHA_EXT_HEAD_DIM_MASK >> kSlot) & 1) == 0) {
       return false;
     } else {
-      if (p.head_dim != kDim) return false;
-      const size_t shared = 2 * kMmaKeys * kTileLd<kDim> * sizeof(T);
-      auto* kernel = attention_forward_mma<T, kDim>;
-      if (shared > 48 * 1024) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-      }
-      kernel<<<grid, kMmaThreads, shared, stream>>>(p, seed);
+      constexpr int kDim = 16 * (kSlot + 1);
+      if (head_dim != kDim) return false;
+      launch(std::integral_constant<int, kDim>{});
       return true;
     }
   };
-  return (launch(std::integral_constant<int, kSlots>{}) || ...);
+  return (try_slot(std::integral_constant<int, kSlots>{}) || ...);
+}
+
+constexpr auto kHeadDimSlots = std::make_integer_sequence<int, 16>{};  // head dims 16, 32, ..., 256
+
+// Launches kernel<<<grid, kMmaThreads, shared, stream>>>(params, seed), opting into more than
+// 48 KiB of shared memory where needed; errors surface through cudaGetLastError.
+template <typename Params>
+void launch_mma(void (*kernel)(Params, const int64_t*), dim3 grid, size_t shared, cudaStream_t stream,
+                const Params& params, const int64_t* seed) {
+  if (shared > 48 * 1024) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+  }
+  kernel<<<grid, kMmaThreads, shared, stream>>>(params, seed);
+}
+
+template <typename T>
+bool forward_for_dtype(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)), static_cast<unsigned>(p.num_heads),
+                  static_cast<unsigned>(p.batch));
+  return for_compiled_head_dim(p.head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    launch_mma(attention_forward_mma<T, kDim>, grid, 2 * kMmaKeys * kTileLd<kDim> * sizeof(T), stream, p, seed);
+  }, kHeadDimSlots);
+}
+
+template <typename T>
+bool backward_for_dtype(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_k, kBwdKeys)), static_cast<unsigned>(p.num_kv_heads),
+                  static_cast<unsigned>(p.batch));
+  return for_compiled_head_dim(p.head_dim, [&](auto dim) {
+    constexpr int kDim = decltype(dim)::value;
+    launch_mma(attention_backward_mma<T, kDim>, grid, kBwdSharedBytes<kDim>, stream, p, seed);
+  }, kHeadDimSlots);
 }
 
 bool aligned_rows(const void* data, const RowStrides& strides) {
@@ -300,17 +520,24 @@ bool aligned_rows(const void* data, const RowStrides& strides) {
          strides.row % 8 == 0;
 }
 
+// fp16/bf16 with one head dim for q, k and v, and rows the 16-byte tile loads can read.
+bool tensor_core_inputs(const AttentionForwardParams& p) {
+  return (p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16) && p.head_dim == p.head_dim_v &&
+         aligned_rows(p.q, p.q_strides) && aligned_rows(p.k, p.k_strides) && aligned_rows(p.v, p.v_strides);
+}
+
 }  // namespace
 
 bool tensor_core_forward(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
-  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
-  if (p.head_dim != p.head_dim_v || !aligned_rows(p.q, p.q_strides) || !aligned_rows(p.k, p.k_strides) ||
-      !aligned_rows(p.v, p.v_strides)) {
-    return false;
-  }
-  constexpr auto kSlots = std::make_integer_sequence<int, 16>{};  // head dims 16, 32, ..., 256
-  return p.dtype == DType::kFloat16 ? launch_forward_for_dim<__half>(p, seed, stream, kSlots)
-                                    : launch_forward_for_dim<__nv_bfloat16>(p, seed, stream, kSlots);
+  if (!tensor_core_inputs(p)) return false;
+  return p.dtype == DType::kFloat16 ? forward_for_dtype<__half>(p, seed, stream)
+                                    : forward_for_dtype<__nv_bfloat16>(p, seed, stream);
+}
+
+bool tensor_core_backward(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
+  if (!tensor_core_inputs(p) || !aligned_rows(p.grad_out, p.grad_out_strides)) return false;
+  return p.dtype == DType::kFloat16 ? backward_for_dtype<__half>(p, seed, stream)
+                                    : backward_for_dtype<__nv_bfloat16>(p, seed, stream);
 }
 
 }  // namespace mha_ext::cuda

@@ -13,4 +13,9 @@ namespace mha_ext::cuda {
 bool tensor_core_forward(const AttentionForwardParams& params, const int64_t* seed,
                          cudaStream_t stream);
 
+// The dK/dV/dQ pass of the backward (delta before it and the dQ cast after it are shared
+// with the generic path); dQ is added into params.grad_q_accum (fp32, one split).
+bool tensor_core_backward(const AttentionBackwardParams& params, const int64_t* seed,
+                          cudaStream_t stream);
+
 }  // namespace mha_ext::cuda
