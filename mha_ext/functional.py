@@ -200,8 +200,11 @@ def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
             a contiguous last dim, so a (num_blocks, block_size, num_kv_heads, head_dim) cache
             works through .transpose(1, 2).
         slot_mapping: (num_tokens,) int64, block * block_size + offset per token; -1 skips the
-            token (padding). Every slot is checked before anything is written: a slot outside
-            the cache raises and leaves the cache untouched.
+            token (padding). On CPU every slot is checked before anything is written: a slot
+            outside the cache raises and leaves the cache untouched. On CUDA the slots stay on
+            the GPU (no sync, CUDA-graph safe) and the kernel skips a slot outside the cache,
+            writing only the valid ones; MHA_EXT_CHECK_INDICES=1 checks them on the host
+            first and raises as the CPU does.
     """
     ops.paged_kv_append(key, value, k_cache, v_cache, slot_mapping)
 

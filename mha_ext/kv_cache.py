@@ -44,7 +44,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 *, dtype=torch.float32, device="cpu", layout: str = "HND"):
+                 *, dtype=torch.float32, device=None, layout: str = "HND"):
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError(
                 f"PagedKVCache: sizes must be positive, got num_layers {num_layers}, num_blocks {num_blocks}, "

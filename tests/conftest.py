@@ -35,7 +35,7 @@ def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, head_dim_v=None, 
                layout="bhsd", seed=0):
     """q, k, v as (B, H, S, D) tensors; layout "bshd" gives transposed views of
     (B, S, H, D) storage, as a model's projections produce."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded_generator(seed)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
 
     def make(h, s, d):
@@ -46,6 +46,47 @@ def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, head_dim_v=None, 
     return make(heads, seq_q, head_dim), make(kv_heads, seq_k, head_dim), make(kv_heads, seq_k, head_dim_v)
 
 
+def seeded_generator(seed):
+    """A generator on the current test's device: what it draws lands there, and the same
+    seed gives the same data on every call."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only: tests CPU-specific behaviour (ISA builds, threads, resident memory); not rerun on CUDA")
+    config.addinivalue_line("markers", "cuda_only: tests CUDA-specific behaviour (streams, graphs, kernel choice)")
+
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True, params=[
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_AVAILABLE, reason="no CUDA device"))])
+def device(request):
+    """Every test runs once per device. On CUDA, torch's default device is the GPU for the
+    test, so the same test code, references and tolerances check the CUDA kernels."""
+    if request.param == "cpu":
+        if request.node.get_closest_marker("cuda_only"):
+            pytest.skip("CUDA-specific test")
+        yield torch.device("cpu")
+        return
+    if request.node.get_closest_marker("cpu_only"):
+        pytest.skip("CPU-specific test")
+    torch.set_default_device("cuda")
+    try:
+        yield torch.device("cuda", torch.cuda.current_device())
+    finally:
+        torch.set_default_device("cpu")
+
+
+@pytest.fixture
+def host_index_checks(monkeypatch):
+    """Paged ops on CUDA keep index tensors on the device and guard them in the kernels;
+    MHA_EXT_CHECK_INDICES=1 makes them raise the CPU backend's errors for bad values."""
+    monkeypatch.setenv("MHA_EXT_CHECK_INDICES", "1")
+
+
 @pytest.fixture(autouse=True)
-def _fixed_seed():
+def _fixed_seed(device):
     torch.manual_seed(1234)

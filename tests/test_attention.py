@@ -5,7 +5,7 @@ import torch
 import mha_ext
 from mha_ext.reference import attention_reference
 
-from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv
+from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv, seeded_generator
 from test_paged import build_paged
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -33,7 +33,7 @@ MASKINGS = {
 
 
 def build_mask(kind, batch, heads, seq_q, seq_k, dtype):
-    generator = torch.Generator().manual_seed(7)
+    generator = seeded_generator(7)
     if kind == "bool":  # (B, 1, Sq, Sk): broadcast over heads
         return torch.rand(batch, 1, seq_q, seq_k, generator=generator) > 0.3
     return torch.randn(1, heads, seq_q, seq_k, generator=generator).to(dtype)  # over batch
@@ -85,7 +85,7 @@ def gradients(fn, inputs, grad_out):
 
 
 def check_backward(q, k, v, kwargs):
-    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(3)).to(q.dtype)
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=seeded_generator(3)).to(q.dtype)
     _, grads = gradients(lambda *t: mha_ext.attention(*t, **kwargs), (q, k, v), grad_out)
     _, ref_grads = gradients(
         lambda *t: attention_reference(*t, **as_dtype(kwargs, torch.float64))[0],
@@ -219,6 +219,7 @@ def test_empty_dimensions(shape):
         assert leaf.grad.shape == leaf.shape and (leaf.grad == 0).all()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_results_do_not_depend_on_the_thread_count(threads):
     # The kernels size their tasks (query blocks per task, key splits in the backward) by

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
+pytestmark = pytest.mark.cpu_only
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

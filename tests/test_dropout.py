@@ -37,11 +37,11 @@ def test_keep_rate_matches_probability(dropout_p):
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
 
 
-def test_attention_applies_the_mask_dropout_mask_reports():
+def test_attention_applies_the_mask_dropout_mask_reports(device):
     dropout_p = 0.3
     applied = applied_keep_mask(2, 3, 200, dropout_p, seed=5)
     torch.manual_seed(5)
-    reported = mha_ext.dropout_mask(mha_ext.draw_dropout_seed("cpu"), 2, 3, 200, 200, dropout_p)
+    reported = mha_ext.dropout_mask(mha_ext.draw_dropout_seed(device), 2, 3, 200, 200, dropout_p)
     assert torch.equal(applied, reported)
 
 
@@ -59,11 +59,11 @@ def test_manual_seed_makes_dropout_reproducible():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kwargs", [{}, {"causal": "bottom_right"}, {"window": (20, 3)}], ids=["plain", "causal", "window"])
-def test_forward_and_gradients_use_the_regenerated_mask(dtype, kwargs):
+def test_forward_and_gradients_use_the_regenerated_mask(dtype, kwargs, device):
     dropout_p = 0.25
     q, k, v = random_qkv(2, 8, 2, 77, 90, 48, dtype=dtype)
     torch.manual_seed(11)
-    keep = mha_ext.dropout_mask(mha_ext.draw_dropout_seed("cpu"), 2, 8, 77, 90, dropout_p)
+    keep = mha_ext.dropout_mask(mha_ext.draw_dropout_seed(device), 2, 8, 77, 90, dropout_p)
     grad_out = torch.randn(2, 8, 77, 48).to(dtype)
 
     def run(fn, tensors):
@@ -95,3 +95,16 @@ def test_gradcheck_with_dropout():
         return mha_ext.attention(*t, dropout_p=0.4, causal="bottom_right")
 
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_one_seed_draws_one_mask_on_every_device(device):
+    # The CPU and CUDA kernels share the Philox counters (mha_ext/philox.h), and attention on
+    # this device applies exactly the mask the CPU reports for the same seed value.
+    seed = torch.tensor([987654321], dtype=torch.int64)
+    on_cpu = mha_ext.dropout_mask(seed.cpu(), 2, 3, 37, 45, 0.4)
+    assert torch.equal(mha_ext.dropout_mask(seed, 2, 3, 37, 45, 0.4).cpu(), on_cpu)
+    q, k, v = random_qkv(2, 3, 3, 37, 45, 16)
+    v = torch.eye(45).expand(2, 3, 45, 45)  # out = P after dropout, so the zeros show the mask
+    k = torch.zeros_like(k)  # uniform P = 1 / 45 before dropout
+    out, _ = torch.ops.mha_ext.attention_forward(q, k, v, None, seed, 0.4, 1.0, -1, -1, False)
+    assert torch.equal((out != 0).cpu(), on_cpu)

@@ -9,6 +9,9 @@ import pytest
 
 import mha_ext
 
+# Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
+pytestmark = pytest.mark.cpu_only
+
 TESTS = Path(__file__).resolve().parent
 
 

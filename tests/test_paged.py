@@ -6,11 +6,11 @@ import mha_ext
 from mha_ext.models import CausalLM
 from mha_ext.reference import attention_reference
 
-from conftest import OUTPUT_FACTOR, assert_within_rule
+from conftest import OUTPUT_FACTOR, assert_within_rule, seeded_generator
 
 
 def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, layout="HND", fill=None):
-    generator = torch.Generator().manual_seed(5)
+    generator = seeded_generator(5)
     shape = (num_blocks, kv_heads, block_size, head_dim) if layout == "HND" else (num_blocks, block_size, kv_heads, head_dim)
     cache = torch.randn(shape, generator=generator).to(dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
     return cache if layout == "HND" else cache.transpose(1, 2)
@@ -50,7 +50,7 @@ def test_append_takes_strided_keys():
 
 
 @pytest.mark.parametrize("bad_slot", [16, 1000, -2])
-def test_out_of_range_slot_raises_and_changes_nothing(bad_slot):
+def test_out_of_range_slot_raises_and_changes_nothing(bad_slot, host_index_checks):
     k_cache, v_cache = make_cache(4, 2, 4, 8), make_cache(4, 2, 4, 8)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([0, 1, bad_slot, 2])
@@ -84,13 +84,13 @@ def test_append_argument_errors():
 def build_paged(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32, shuffle=True, seed=0):
     """A cache holding sequences of the given lengths at scattered blocks, NaN everywhere
     else, plus the packed queries and the contiguous K/V of each sequence."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeded_generator(seed)
     blocks_per_seq = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks_per_seq) + 3  # three blocks nobody uses
     k_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
     v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
     # The shuffle draws from its own generator, so the data is the same either way.
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 1)) if shuffle else torch.arange(num_blocks)
+    order = torch.randperm(num_blocks, generator=seeded_generator(seed + 1)) if shuffle else torch.arange(num_blocks)
     tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
     keys, values, used = [], [], 0
     for b, n in enumerate(lengths):
@@ -166,7 +166,7 @@ def test_nhd_cache_layout():
     )
 
 
-def test_paged_attention_argument_errors():
+def test_paged_attention_argument_errors(host_index_checks):
     q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
     attend = mha_ext.paged_attention
     with pytest.raises(RuntimeError, match=r"the cache has 2 kv heads, which does not divide q's 3 heads"):
@@ -198,7 +198,7 @@ def test_paged_attention_argument_errors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_merging_two_key_sets_equals_attention_over_both(dtype):
-    generator = torch.Generator().manual_seed(2)
+    generator = seeded_generator(2)
     q, k, v = (torch.randn(2, 4, 9, 32, generator=generator).to(dtype) for _ in range(3))
     k2, v2 = (torch.randn(2, 4, 13, 32, generator=generator).to(dtype) for _ in range(2))
     out_a, lse_a = mha_ext.attention(q, k, v, return_lse=True)
@@ -224,7 +224,7 @@ def test_merging_with_an_empty_state_is_exact():
 
 
 def test_merge_gradcheck_and_errors():
-    generator = torch.Generator().manual_seed(4)
+    generator = seeded_generator(4)
     inputs = [torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
               torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_(),
               torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
@@ -233,7 +233,7 @@ def test_merge_gradcheck_and_errors():
     out, lse = torch.randn(3, 5, 16), torch.randn(3, 5)
     with pytest.raises(RuntimeError, match=r"out_a and out_b must have one shape \(..., head_dim\), got \[3, 5, 16\] and \[3, 5, 8\]"):
         mha_ext.merge_attention_states(out, lse, out[..., :8], lse)
-    with pytest.raises(RuntimeError, match=r"lse_b must be a torch.float32 tensor of shape \[3, 5\] on cpu, got torch.float64 of shape \[3, 5\]"):
+    with pytest.raises(RuntimeError, match=r"lse_b must be a torch.float32 tensor of shape \[3, 5\] on \S+, got torch.float64 of shape \[3, 5\]"):
         mha_ext.merge_attention_states(out, lse, out, lse.double())
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import mha_ext
 from mha_ext.reference import attention_reference
 
-from conftest import random_qkv
+from conftest import random_qkv, seeded_generator
 
 CASES = {
     "plain": ({}, {}),
@@ -82,7 +82,7 @@ def test_reference_bottom_right_causal_and_window_by_hand():
 def test_mask_and_is_causal_together_apply_both():
     # torch rejects this combination; the drop-in applies the mask inside the causal window.
     q, k, v = random_qkv(2, 4, 4, 13, 13, 16, dtype=torch.float64)
-    mask = torch.rand(13, 13, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask = torch.rand(13, 13, generator=seeded_generator(1)) > 0.3
     expected, _ = attention_reference(q, k, v, causal="top_left", attn_mask=mask)
     actual = mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)

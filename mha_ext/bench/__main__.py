@@ -18,7 +18,7 @@ import torch
 import mha_ext
 
 from . import report, roofline
-from .suites import MODELS, SUITES, build_cases, run_case
+from .suites import DECODE_BATCH, MODELS, SUITES, build_cases, run_case
 
 QUICK = {"models": ["gpt2-small", "llama2-70b"], "seq": [512], "context": [1024], "append_context": [512, 4096, 32768]}
 FULL = {"models": list(MODELS), "seq": [512, 1024, 2048], "context": [1024, 4096],
@@ -55,6 +55,8 @@ def parse_args(argv):
     parser.add_argument("--seq", nargs="+", type=int, help="sequence lengths of the attention suites")
     parser.add_argument("--context", nargs="+", type=int, help="contexts of the decode suite")
     parser.add_argument("--append-context", nargs="+", type=int, help="contexts of the append suite")
+    parser.add_argument("--decode-batch", type=int, default=DECODE_BATCH, help="sequences per decode step")
+    parser.add_argument("--append-batch", type=int, default=1, help="sequences per append call (one token each)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, help="timed repeats per case (median); default 3 quick, 5 full")
@@ -80,7 +82,7 @@ def main(argv=None):
 
     factories = build_cases(args.suite, args.models or sizes["models"], args.seq or sizes["seq"],
                             args.context or sizes["context"], args.append_context or sizes["append_context"],
-                            dtypes, device)
+                            dtypes, device, args.decode_batch, args.append_batch)
     progress = Progress(len(factories))
     results = []
     for factory in factories:

@@ -114,9 +114,9 @@ def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, b
                 baseline=next(iter(_torch_sdpa_contenders(device))))
 
 
-def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, block_size=16) -> Case:
+def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH,
+                 block_size=16) -> Case:
     generator = torch.Generator().manual_seed(0)
-    batch = DECODE_BATCH
     k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(device=device, dtype=dtype)
             for _ in range(2))
     q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
@@ -146,36 +146,42 @@ def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, block_
                 baseline=next(iter(_torch_sdpa_contenders(device))))
 
 
-def _append_case(context, device, kv_heads=32, head_dim=128, block_size=16) -> Case:
-    """One token of a Llama-2 7B layer (fp32) into a cache already holding `context` tokens."""
+def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size=16) -> Case:
+    """One token of a Llama-2 7B layer (fp32) for each of `batch` sequences, into a cache
+    already holding `context` tokens of each."""
     tokens = context + APPEND_TOKENS_PER_RUN
-    cache = PagedKVCache(1, -(-tokens // block_size), block_size, kv_heads, head_dim, device=device)
-    seq = cache.allocate()
-    cache.prepare([seq], [tokens])
-    slots = functional.slot_mapping_for(torch.tensor(cache.block_table(seq), device=device),
-                                        torch.arange(context, tokens, device=device), block_size)
-    key, value = (torch.randn(1, kv_heads, head_dim, device=device) for _ in range(2))
-    contiguous = [tuple(torch.randn(1, kv_heads, context, head_dim, device=device) for _ in range(2))]
-    new_k, new_v = key.view(1, kv_heads, 1, head_dim), value.view(1, kv_heads, 1, head_dim)
+    cache = PagedKVCache(1, batch * -(-tokens // block_size), block_size, kv_heads, head_dim, device=device)
+    seqs = [cache.allocate() for _ in range(batch)]
+    cache.prepare(seqs, [tokens] * batch)
+    # slots[i]: the slot of token context + i of every sequence   [APPEND_TOKENS_PER_RUN, batch]
+    slots = torch.stack([
+        functional.slot_mapping_for(torch.tensor(cache.block_table(seq), device=device),
+                                    torch.arange(context, tokens, device=device), block_size)
+        for seq in seqs], dim=1)
+    key, value = (torch.randn(batch, kv_heads, head_dim, device=device) for _ in range(2))
+    contiguous = [tuple(torch.randn(batch, kv_heads, context, head_dim, device=device) for _ in range(2))]
+    new_k, new_v = key.view(batch, kv_heads, 1, head_dim), value.view(batch, kv_heads, 1, head_dim)
 
     def paged():  # tokens context, context + 1, ... each written in place by its own call
-        for slot in slots.split(1):
-            functional.paged_kv_append(key, value, cache.key_caches[0], cache.value_caches[0], slot)
+        for step_slots in slots:
+            functional.paged_kv_append(key, value, cache.key_caches[0], cache.value_caches[0], step_slots)
 
     def seed_torch_cat():  # the seed tutorial's update_kv_cache: concatenation copies the cache
         k_cache, v_cache = contiguous[0]
         torch.cat([k_cache, new_k], dim=2), torch.cat([v_cache, new_v], dim=2)
 
     token_bytes = 2 * key.numel() * key.element_size()
-    params = {"context": context, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32"}
+    params = {"context": context, "batch": batch, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32"}
+    label = f"llama2-7b layer ctx={context}" + (f" batch={batch}" if batch > 1 else "")
     # Timed apart, not interleaved: each torch.cat maps a context-sized buffer, which would
     # leave the next paged append with cold caches and TLB.
-    return Case("cache_append", f"llama2-7b layer ctx={context}", params, token_bytes, "GB/s", "stream_read",
+    return Case("cache_append", label, params, token_bytes, "GB/s", "stream_read",
                 {"mha_ext": paged, "seed_torch_cat": seed_torch_cat}, baseline="seed_torch_cat",
                 interleave=False, per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1})
 
 
-def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device) -> List[Callable[[], Case]]:
+def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device, decode_batch=DECODE_BATCH,
+                append_batch=1) -> List[Callable[[], Case]]:
     """Case factories (cases allocate their tensors only when they run)."""
     factories = []
     for suite in suites:
@@ -196,10 +202,10 @@ def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device)
             for name, heads, kv_heads in (("llama2-7b", 32, 32), (GQA_SHAPE[0], 32, 8), ("llama2-70b", 64, 8)):
                 for dtype in dtypes:
                     for context in contexts:
-                        factories.append(lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(n, h, kv, 128, c, t, device))
+                        factories.append(lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(n, h, kv, 128, c, t, device, decode_batch))
         elif suite == "cache_append":
             for context in append_contexts:
-                factories.append(lambda c=context: _append_case(c, device))
+                factories.append(lambda c=context: _append_case(c, device, append_batch))
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return factories

@@ -1,0 +1,142 @@
+"""The CUDA backend run on the CPU through the emulator in tests/emulation: the real kernel
+sources and op bodies (csrc/cuda), every thread of a block a fiber with real barriers and
+shuffles, the tensor-core MMA emulated with its PTX fragment layout. It checks index math,
+fragment layouts, masking, dropout and barriers where no GPU is available; speed and races
+between blocks need the GPU run (benchmarks/gpu_check.sh)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mha_ext  # noqa: F401  (loads torch.ops.mha_ext, the CPU side of every comparison)
+from mha_ext.reference import attention_reference
+
+from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv, seeded_generator
+
+pytestmark = pytest.mark.cpu_only  # the emulator runs on the CPU; a GPU runs the real thing
+
+ROOT = Path(__file__).resolve().parent.parent
+EMULATION = Path(__file__).resolve().parent / "emulation"
+CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+KERNEL_SOURCES = ["attention.cu", "attention_mma.cu", "dropout_mask.cu", "paged.cu"]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    if not (CUDA_INCLUDE / "cuda_fp16.h").exists():
+        pytest.skip(f"no CUDA headers under {CUDA_INCLUDE}")
+    from torch.utils import cpp_extension
+
+    sys.path.insert(0, str(EMULATION))
+    from translate import translate
+
+    build = tmp_path_factory.mktemp("emulated_cuda")
+    sources = []
+    for name in KERNEL_SOURCES + ["../device_ops.cpp"]:
+        path = ROOT / "csrc" / "cuda" / "kernels" / name
+        target = build / (path.stem + ".cpp")
+        target.write_text(translate(path.read_text()))
+        sources.append(str(target))
+    for name in ["attention_checks.cpp", "paged_checks.cpp"]:
+        sources.append(str(ROOT / "csrc" / name))
+    sources.append(str(EMULATION / "binding.cpp"))
+    return cpp_extension.load(
+        "mha_ext_emulated_cuda", sources, build_directory=str(build),
+        extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "csrc" / "include"), str(EMULATION), str(CUDA_INCLUDE)],
+        extra_cflags=["-O1", "-std=c++20", "-Wno-attributes"], verbose=False)
+
+
+MASKINGS = {
+    "none": dict(window_left=-1, window_right=-1, bottom_right=False),
+    "causal_bottom_right": dict(window_left=-1, window_right=0, bottom_right=True),
+    "window": dict(window_left=9, window_right=3, bottom_right=True),  # a window aligns bottom-right
+}
+
+
+def run_both(emulated, q, k, v, mask=None, seed=None, dropout_p=0.0, masking="none"):
+    """Forward and backward through the emulated CUDA ops and the CPU ops, same inputs."""
+    window = MASKINGS[masking]
+    args = (mask, seed, dropout_p, q.shape[-1] ** -0.5, window["window_left"], window["window_right"],
+            window["bottom_right"])
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=seeded_generator(3)).to(q.dtype)
+    results = {}
+    for name, forward, backward in (("emulated", emulated.attention_forward, emulated.attention_backward),
+                                    ("cpu", torch.ops.mha_ext.attention_forward, torch.ops.mha_ext.attention_backward)):
+        out, lse = forward(q, k, v, *args)
+        grads = backward(grad_out, None, q, k, v, out, lse, *args)
+        results[name] = (out, lse, *grads)
+    return results
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("masking", list(MASKINGS))
+def test_attention_matches_the_reference(emulated, kernels, dtype, masking, monkeypatch):
+    # auto: head dim 64 runs the tensor-core forward and backward; simt the generic kernels.
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v = random_qkv(1, 4, 2, 70, 90, 64, dtype=dtype)
+    window = MASKINGS[masking]
+    kwargs = {"causal": "bottom_right"} if masking == "causal_bottom_right" else (
+        {"window": (window["window_left"], window["window_right"])} if masking == "window" else {})
+    results = run_both(emulated, q, k, v, masking=masking)
+    out, lse, grad_q, grad_k, grad_v = results["emulated"]
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attention_reference(*leaves, **kwargs)
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=seeded_generator(3)).to(dtype)
+    ref.backward(grad_out.double())
+    plain_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    plain, _ = attention_reference(*plain_leaves, **kwargs)
+    plain.backward(grad_out)
+    assert_within_rule(out, ref.detach(), plain.detach(), OUTPUT_FACTOR, "output")
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
+    for got, leaf, plain_leaf, name in zip((grad_q, grad_k, grad_v), leaves, plain_leaves, "qkv"):
+        assert_within_rule(got, leaf.grad, plain_leaf.grad, GRAD_FACTOR, f"grad_{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_generic_kernels_agree_with_the_cpu_in_full_precision(emulated, dtype):
+    q, k, v = random_qkv(2, 4, 1, 33, 47, 40, dtype=dtype)
+    mask = torch.rand(2, 1, 33, 47, generator=seeded_generator(1)) > 0.2
+    results = run_both(emulated, q, k, v, mask=mask, masking="causal_bottom_right")
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    for got, expected in zip(results["emulated"], results["cpu"]):
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+def test_dropout_uses_the_cpu_mask(emulated, kernels, monkeypatch):
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    seed = torch.tensor([4242], dtype=torch.int64)
+    assert torch.equal(emulated.dropout_mask(seed, 2, 3, 37, 45, 0.3), torch.ops.mha_ext.dropout_mask(seed, 2, 3, 37, 45, 0.3))
+    q, k, v = random_qkv(1, 2, 2, 40, 72, 64, dtype=torch.bfloat16)
+    results = run_both(emulated, q, k, v, seed=seed, dropout_p=0.3, masking="window")
+    for got, expected, name in zip(results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+def test_paged_ops_match_the_cpu(emulated):
+    from test_paged import build_paged
+    # GQA 8 query / 2 kv heads, decode and a prefill chunk; 4 "SMs" make long contexts split.
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([9, 600], [1, 20], 8, 2, 32, 16)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    for num_sms in (64, 4):
+        out, lse = emulated.paged_attention(num_sms, q, k_cache, v_cache, tables, seq_lens, cu, 0.25)
+        expected, expected_lse = torch.ops.mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.25)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+    key, value = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    slots = torch.tensor([3, -1, 10**6, 17])
+    emulated_k, emulated_v = k_cache.clone(), v_cache.clone()
+    emulated.paged_kv_append(key, value, emulated_k, emulated_v, slots)
+    keep = torch.tensor([3, -1, -1, 17])  # the out-of-range slot is skipped
+    torch.ops.mha_ext.paged_kv_append(key, value, k_cache, v_cache, keep)
+    assert torch.equal(emulated_k, k_cache) and torch.equal(emulated_v, v_cache)
+
+    out_a, lse_a, out_b, lse_b = torch.randn(3, 5, 16), torch.randn(3, 5), torch.randn(3, 5, 16), torch.randn(3, 5)
+    lse_b[0] = float("-inf")
+    for got, expected in zip(emulated.merge_attention_states(out_a, lse_a, out_b, lse_b),
+                             torch.ops.mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
