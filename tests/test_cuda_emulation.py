@@ -140,3 +140,24 @@ def test_paged_ops_match_the_cpu(emulated):
     for got, expected in zip(emulated.merge_attention_states(out_a, lse_a, out_b, lse_b),
                              torch.ops.mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b)):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_head_dim_128_masks_and_fully_masked_rows(emulated, kernels, mask_kind, monkeypatch):
+    # Bottom-right causal with 80 queries over 40 keys hides every key from rows 0-39 (and
+    # the bool mask all of row 45): empty rows must give 0, lse -inf and finite gradients.
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v = random_qkv(1, 8, 2, 80, 40, 128, dtype=torch.bfloat16)
+    if mask_kind == "bool":
+        mask = torch.rand(1, 1, 80, 40, generator=seeded_generator(2)) > 0.3
+        mask[:, :, 45] = False
+    else:
+        mask = torch.randn(1, 8, 80, 40, generator=seeded_generator(2)).to(torch.bfloat16)
+    results = run_both(emulated, q, k, v, mask=mask, masking="causal_bottom_right")
+    for got, expected, name in zip(results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]):
+        assert torch.isfinite(got).all() or name == "lse", name
+        torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2, msg=name)
+    out, lse = results["emulated"][:2]
+    empty = [*range(40), 45] if mask_kind == "bool" else list(range(40))
+    assert (out[:, :, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
