@@ -75,6 +75,7 @@ def cpu_sources():
     return [
         "csrc/module.cpp",
         "csrc/ops.cpp",
+        "csrc/autograd.cpp",
         "csrc/attention_checks.cpp",
         "csrc/cpu/isa.cpp",
         "csrc/paged_checks.cpp",

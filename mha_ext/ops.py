@@ -1,8 +1,9 @@
 """Typed wrappers over torch.ops.mha_ext.*, plus what torch.compile and autograd need.
 
-The schemas are declared once in csrc/ops.cpp and the backends register in C++; this
+The schemas are declared once in csrc/ops.cpp and the backends register in C++, as does
+attention's autograd (csrc/autograd.cpp: its backward is the attention_backward op). This
 module adds the fake (meta) implementations, which let torch.compile trace the ops without
-running them, and the autograd formula of attention, whose backward is its own op.
+running them, and the autograd formula of merge_attention_states.
 """
 from typing import Optional, Tuple
 
@@ -150,28 +151,4 @@ def _merge_backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd(
     "mha_ext::merge_attention_states", _merge_backward, setup_context=_merge_setup_context
-)
-
-
-def _attention_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_seed, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed)
-    ctx.options = options  # dropout_p, scale, window_left, window_right, bottom_right
-
-
-def _attention_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
-    # The kernel reads rows of grad_out; a broadcast gradient (out.sum() gives stride 0)
-    # has to become real rows first.
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
-    grad_q, grad_k, grad_v = attention_backward(
-        grad_out, grad_lse, q, k, v, out, lse, attn_mask, dropout_seed, *ctx.options
-    )
-    return (grad_q, grad_k, grad_v) + (None,) * 7
-
-
-torch.library.register_autograd(
-    "mha_ext::attention_forward", _attention_backward, setup_context=_attention_setup_context
 )
