@@ -161,3 +161,25 @@ def test_head_dim_128_masks_and_fully_masked_rows(emulated, kernels, mask_kind, 
     out, lse = results["emulated"][:2]
     empty = [*range(40), 45] if mask_kind == "bool" else list(range(40))
     assert (out[:, :, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_generic_kernels_wide_head_dims(emulated, head_dim):
+    # 4 and 8 output dims per lane (kDimChunks), and the 48 KiB shared-memory opt-in at 256.
+    q, k, v = random_qkv(1, 2, 2, 20, 37, head_dim, dtype=torch.float32)
+    results = run_both(emulated, q, k, v, masking="causal_bottom_right")
+    for got, expected in zip(results["emulated"], results["cpu"]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 7])
+def test_paged_mqa_groups_wider_than_a_row_tile(emulated, block_size):
+    # 32 query heads on one kv head: a query's rows span two 16-row tiles; bf16 cache.
+    from test_paged import build_paged
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([5, 40], [2, 3], 32, 1, 64, block_size,
+                                                                  dtype=torch.bfloat16)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    out, lse = emulated.paged_attention(8, q, k_cache, v_cache, tables, seq_lens, cu, 0.125)
+    expected, expected_lse = torch.ops.mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.125)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
