@@ -16,6 +16,10 @@
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+#endif
 
 #include "blocking.h"
 #include "kernel_common.h"
@@ -76,11 +80,16 @@ void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dro
 // fp32 forward when every 64-row block redid it.
 constexpr int64_t kMaxSubBlocks = 8;
 
-template <typename scalar_t>
-void attention_forward_kernel(const AttentionForwardParams& p) {
-  using acc_t = typename AccumulateType<scalar_t>::type;
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+// How the forward splits into tasks (batch, kv head, chunk of query blocks).
+struct ForwardPlan {
+  int64_t group;            // query heads per kv head
+  int64_t q_blocks;         // query blocks of kBlockQ rows
+  int64_t blocks_per_task;  // query blocks per chunk
+  int64_t chunks;           // chunks per (batch, kv head)
+  int64_t sub_blocks;       // (query head, query block) sub-blocks per task
+};
+
+inline ForwardPlan plan_forward(const AttentionForwardParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ);
   // Query blocks per task: as many as fit kMaxSubBlocks with the whole group, fewer while
@@ -91,7 +100,15 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
     --blocks_per_task;
   }
   const int64_t chunks = ceil_div(q_blocks, blocks_per_task);
-  const int64_t sub_blocks = group * blocks_per_task;
+  return {group, q_blocks, blocks_per_task, chunks, group * blocks_per_task};
+}
+
+template <typename scalar_t>
+void attention_forward_kernel(const AttentionForwardParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const auto [group, q_blocks, blocks_per_task, chunks, sub_blocks] = plan_forward(p);
   // Row strides of the fp32 tiles, padded to whole vectors.
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
@@ -358,8 +375,155 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 forward on torch's brgemm micro-kernels (oneDNN; AMX tiles where the CPU has them,
+// AVX512-BF16 otherwise): S = Q K^T and O += P V take bf16 operands with fp32
+// accumulation, the softmax stays in fp32 as in the generic kernel, and P is rounded to
+// bf16 for the second product, as GPU FlashAttention does. The same task layout as
+// attention_forward_kernel: each K/V tile is packed once for all sub-blocks of a task.
+//
+// brgemm wants B in pairs along the reduction dim ("VNNI": element (k, n) at
+// [k / 2][n][k % 2]). For K^T that is a 32-bit transpose of the K tile (a pair of head dims
+// is one 32-bit word of a K row); for V it interleaves consecutive rows.
+
+// The kernel reads q, k and v rows as 32-bit pairs in place.
+inline bool bf16_brgemm_usable(const AttentionForwardParams& p) {
+  // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and P's
+  // conversion below uses AVX512-BF16.
+  static const bool cpu_ok = __builtin_cpu_supports("avx512bf16");
+  auto even_rows = [](const void* data, const RowStrides& strides) {
+    return reinterpret_cast<uintptr_t>(data) % 4 == 0 && strides.batch % 2 == 0 &&
+           strides.head % 2 == 0 && strides.row % 2 == 0;
+  };
+  return cpu_ok && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 && even_rows(p.q, p.q_strides) &&
+         even_rows(p.k, p.k_strides) && even_rows(p.v, p.v_strides);
+}
+
+// dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
+__attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src, c10::BFloat16* dst,
+                                                                int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(pairs));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
+  using scalar_t = c10::BFloat16;
+  using Vec = at::vec::Vectorized<float>;
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const auto [group, q_blocks, blocks_per_task, chunks, sub_blocks] = plan_forward(p);
+  const int64_t pairs = p.head_dim / 2;  // 32-bit words per q / k row
+  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
+  const int64_t sub_rows = sub_blocks * kBlockQ;
+  const float scale = static_cast<float>(p.scale);
+  const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
+  // fp32 words: K^T pairs [pairs, kBlockK], V pairs [kBlockK / 2, head_dim_v], S
+  // [kBlockQ, kBlockK], P in bf16 [kBlockQ, kBlockK] (half the words), O accumulators
+  // [sub_rows, ld_dv], row max and sum [sub_rows] each.
+  const int64_t scratch_size = pairs * kBlockK + kBlockK / 2 * p.head_dim_v + kBlockQ * kBlockK +
+                               kBlockQ * kBlockK / 2 + sub_rows * ld_dv + 2 * sub_rows;
+
+  at::parallel_for(0, p.batch * p.num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    float* scratch = thread_scratch<float>(scratch_size);
+    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(scratch);          // [pairs, kBlockK]
+    uint32_t* v_pairs = kt_pairs + pairs * kBlockK;                      // [kBlockK / 2, head_dim_v]
+    float* s_tile = reinterpret_cast<float*>(v_pairs + kBlockK / 2 * p.head_dim_v);  // [kBlockQ, kBlockK]
+    scalar_t* p_tile = reinterpret_cast<scalar_t*>(s_tile + kBlockQ * kBlockK);      // [kBlockQ, kBlockK]
+    float* o_tiles = reinterpret_cast<float*>(p_tile + kBlockQ * kBlockK);          // [sub_rows, ld_dv]
+    float* row_max = o_tiles + sub_rows * ld_dv;                                     // [sub_rows]
+    float* row_sum = row_max + sub_rows;                                             // [sub_rows]
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (p.num_kv_heads * chunks);
+      const int64_t kv_head = task / chunks % p.num_kv_heads;
+      const int64_t first_block = task % chunks * blocks_per_task;
+      const int64_t blocks = std::min(blocks_per_task, q_blocks - first_block);
+      auto head_of = [&](int64_t i) { return kv_head * group + i % group; };
+      auto row0_of = [&](int64_t i) { return (first_block + i / group) * kBlockQ; };
+      auto rows_of = [&](int64_t i) { return std::min(kBlockQ, p.seq_q - row0_of(i)); };
+      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
+                          kv_head * p.k_strides.head;
+      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
+                          kv_head * p.v_strides.head;
+      std::fill(o_tiles, o_tiles + blocks * group * kBlockQ * ld_dv, 0.f);
+      std::fill(row_max, row_max + blocks * group * kBlockQ, kMinusInf);
+      std::fill(row_sum, row_sum + blocks * group * kBlockQ, 0.f);
+
+      const int64_t last_row = std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1;
+      const int64_t key_begin = visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
+      const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
+      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, p.seq_k - key0);
+        const int64_t even_cols = round_up(cols, 2);  // P V reduces over key pairs
+        // K^T pairs: word (d / 2, c) = head dims d, d + 1 of key c.
+        transpose_tile(reinterpret_cast<const float*>(k + key0 * p.k_strides.row), p.k_strides.row / 2, cols,
+                       pairs, reinterpret_cast<float*>(kt_pairs), kBlockK);
+        // V pairs: word (c / 2, d) = dim d of keys c, c + 1 (a zero key pads an odd count).
+        for (int64_t c = 0; c < even_cols; c += 2) {
+          const uint16_t* first = reinterpret_cast<const uint16_t*>(v + (key0 + c) * p.v_strides.row);
+          const uint16_t* second = reinterpret_cast<const uint16_t*>(v + (key0 + c + 1) * p.v_strides.row);
+          uint32_t* out = v_pairs + c / 2 * p.head_dim_v;
+          if (c + 1 < cols) {
+            for (int64_t d = 0; d < p.head_dim_v; ++d) out[d] = first[d] | static_cast<uint32_t>(second[d]) << 16;
+          } else {
+            for (int64_t d = 0; d < p.head_dim_v; ++d) out[d] = first[d];
+          }
+        }
+
+        for (int64_t i = 0; i < blocks * group; ++i) {
+          const int64_t head = head_of(i), row0 = row0_of(i), rows = rows_of(i);
+          if (key0 >= visible_keys(p.window, row0 + rows - 1, p.seq_k).end ||
+              key0 + cols <= visible_keys(p.window, row0, p.seq_k).begin) {
+            continue;  // no row of this block sees any key of the tile
+          }
+          const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                              head * p.q_strides.head + row0 * p.q_strides.row;
+          float* o_tile = o_tiles + i * kBlockQ * ld_dv;
+          // S = Q K^T   [rows, cols], straight from q's rows
+          at::native::cpublas::brgemm(rows, cols, p.head_dim, p.q_strides.row, kBlockK, kBlockK, false, q,
+                                      reinterpret_cast<const scalar_t*>(kt_pairs), s_tile, true);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = s_tile + r * kBlockK;
+            // An additive mask adds to scaled scores; otherwise the exp applies the scale.
+            if (!fold_scale) at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+            mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
+            online_softmax_step(s, cols, row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
+                                o_tile + r * ld_dv, p.head_dim_v, fold_scale ? scale : 1.f);
+            if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+            scalar_t* p_row = p_tile + r * kBlockK;
+            round_to_bf16(s, p_row, cols);
+            if (cols < even_cols) p_row[cols] = scalar_t(0.f);
+          }
+          // O += P V   [rows, head_dim_v]
+          at::native::cpublas::brgemm(rows, p.head_dim_v, even_cols, kBlockK, p.head_dim_v, ld_dv, true, p_tile,
+                                      reinterpret_cast<const scalar_t*>(v_pairs), o_tile, true);
+        }
+      }
+
+      for (int64_t i = 0; i < blocks * group; ++i) {
+        const int64_t head = head_of(i), row0 = row0_of(i);
+        scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
+                        head * p.out_strides.head + row0 * p.out_strides.row;
+        float* lse = static_cast<float*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
+        for (int64_t r = 0; r < rows_of(i); ++r) {
+          lse[r] = finish_row(o_tiles + (i * kBlockQ + r) * ld_dv, p.head_dim_v, row_max[i * kBlockQ + r],
+                              row_sum[i * kBlockQ + r], out + r * p.out_strides.row);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
+  });
+}
+#endif
+
 // The ISA's entry points, declared for the dispatcher in kernels.h.
 void attention_forward(const AttentionForwardParams& params) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (bf16_brgemm_usable(params)) return attention_forward_bf16_brgemm(params);
+#endif
   dispatch_dtype(params.dtype, [&](auto tag) { attention_forward_kernel<decltype(tag)>(params); });
 }
 

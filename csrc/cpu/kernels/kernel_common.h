@@ -95,13 +95,15 @@ void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
 // sum and the row's output accumulator rescaled. Most tiles thus skip the rescale, and
 // p = exp(s - row_max) stays below e^8 (about 3000), harmless in fp32 sums. While a row has
 // seen no key, its tile gets p = 0 and nothing changes.
+// score_scale (> 0) multiplies the scores first, fused into the exp: a kernel whose GEMM
+// left them unscaled saves a pass over the tile (1 keeps the result bit for bit).
 template <typename acc_t>
 void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum, acc_t* o_row,
-                         int64_t head_dim_v) {
+                         int64_t head_dim_v, acc_t score_scale = acc_t(1)) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   constexpr acc_t kRescaleMargin = 8;
-  const acc_t tile_max = at::vec::reduce_all<acc_t>(
+  const acc_t tile_max = score_scale * at::vec::reduce_all<acc_t>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, cols);
   if (tile_max == kMinusInf && row_max == kMinusInf) {
     std::fill(s, s + cols, acc_t(0));
@@ -115,18 +117,19 @@ void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum,
     }
     row_max = tile_max;
   }
-  // p = exp(s - row_max), summed in the same pass.
-  const Vec max_vec(row_max);
+  // p = exp(score_scale * s - row_max), summed in the same pass.
+  const Vec scale_vec(score_scale);
+  const Vec minus_max(-row_max);
   Vec sum_vec(acc_t(0));
   int64_t c = 0;
   for (; c + Vec::size() <= cols; c += Vec::size()) {
-    const Vec p = (Vec::loadu(s + c) - max_vec).exp_u20();
+    const Vec p = at::vec::fmadd(Vec::loadu(s + c), scale_vec, minus_max).exp_u20();
     p.store(s + c);
     sum_vec = sum_vec + p;
   }
   if (c < cols) {
     const int tail = static_cast<int>(cols - c);
-    const Vec p = (Vec::loadu(s + c, tail) - max_vec).exp_u20();
+    const Vec p = at::vec::fmadd(Vec::loadu(s + c, tail), scale_vec, minus_max).exp_u20();
     p.store(s + c, tail);
     sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
   }
