@@ -1,6 +1,8 @@
 #include "attention_checks.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -174,22 +176,35 @@ void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, 
   params.lse = const_cast<void*>(lse.data_ptr());
 }
 
-void set_backward_tensors(AttentionBackwardParams& params, const at::Tensor& grad_out,
-                          const at::Tensor* grad_lse, const at::Tensor& grad_q,
-                          const at::Tensor& grad_k, const at::Tensor& grad_v,
-                          const at::Tensor& grad_q_accum, const at::Tensor& delta) {
+BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
+                                 const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                 const at::Tensor& lse, int64_t num_kv_splits) {
+  const at::TensorOptions acc_options = q.options().dtype(accumulate_dtype(q.scalar_type()));
+  BackwardTensors t;
+  t.grad_q = at::empty_like(q);
+  t.grad_k = at::empty_like(k);
+  t.grad_v = at::empty_like(v);
+  t.grad_q_accum = at::zeros({num_kv_splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
+                             acc_options);
+  t.delta = at::empty({params.batch, params.num_heads, params.seq_q}, acc_options);
+  t.lse_rows = lse.contiguous();
+  if (grad_lse.has_value()) t.grad_lse_rows = grad_lse->contiguous();
+
+  set_forward_outputs(params, out, t.lse_rows);
   params.grad_out = grad_out.data_ptr();
   params.grad_out_strides = row_strides(grad_out);
-  params.grad_lse = grad_lse != nullptr ? grad_lse->data_ptr() : nullptr;
-  params.grad_q = grad_q.data_ptr();
-  params.grad_k = grad_k.data_ptr();
-  params.grad_v = grad_v.data_ptr();
-  params.grad_q_strides = row_strides(grad_q);
-  params.grad_k_strides = row_strides(grad_k);
-  params.grad_v_strides = row_strides(grad_v);
-  params.grad_q_accum = grad_q_accum.data_ptr();
-  params.num_kv_splits = grad_q_accum.size(0);
-  params.delta = delta.data_ptr();
+  params.grad_lse = t.grad_lse_rows.has_value() ? t.grad_lse_rows->data_ptr() : nullptr;
+  params.grad_q = t.grad_q.data_ptr();
+  params.grad_k = t.grad_k.data_ptr();
+  params.grad_v = t.grad_v.data_ptr();
+  params.grad_q_strides = row_strides(t.grad_q);
+  params.grad_k_strides = row_strides(t.grad_k);
+  params.grad_v_strides = row_strides(t.grad_v);
+  params.grad_q_accum = t.grad_q_accum.data_ptr();
+  params.num_kv_splits = num_kv_splits;
+  params.delta = t.delta.data_ptr();
+  return t;
 }
 
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,

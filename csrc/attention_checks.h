@@ -49,13 +49,23 @@ at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v);
 // them through the same fields.
 void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, const at::Tensor& lse);
 
-// Points the backward params at its tensors: grad_lse may be null; grad_q_accum is the
-// zero-filled [num_kv_splits, batch, heads, seq_q, head_dim] workspace and delta the
-// [batch, heads, seq_q] one, both in the accumulation type.
-void set_backward_tensors(AttentionBackwardParams& params, const at::Tensor& grad_out,
-                          const at::Tensor* grad_lse, const at::Tensor& grad_q,
-                          const at::Tensor& grad_k, const at::Tensor& grad_v,
-                          const at::Tensor& grad_q_accum, const at::Tensor& delta);
+// The backward's outputs and workspaces: grad_q/k/v shaped and strided like q/k/v, the
+// zero-filled dQ partial sums [num_kv_splits, batch, heads, seq_q, head_dim] and delta
+// [batch, heads, seq_q] in the accumulation type, and lse / grad_lse as contiguous rows
+// (the kernels index them directly; they are O(seq), so a copy is cheap).
+struct BackwardTensors {
+  at::Tensor grad_q, grad_k, grad_v;
+  at::Tensor grad_q_accum, delta;
+  at::Tensor lse_rows;
+  std::optional<at::Tensor> grad_lse_rows;
+};
+
+// Allocates the backward's tensors and points params at them and at grad_out, out and lse;
+// params come from make_attention_params and passed check_backward_args.
+BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
+                                 const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                 const at::Tensor& lse, int64_t num_kv_splits);
 
 // Checks the tensors only the backward takes against the forward's params.
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,

@@ -1,5 +1,6 @@
 #include "paged_checks.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -192,8 +193,8 @@ void check_paged_index_values(PagedAttentionParams& p) {
   }
 }
 
-MergeStatesParams make_merge_params(const at::Tensor& out_a, const at::Tensor& lse_a,
-                                    const at::Tensor& out_b, const at::Tensor& lse_b) {
+MergeStatesCall prepare_merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                     const at::Tensor& out_b, const at::Tensor& lse_b) {
   TORCH_CHECK(out_a.dim() >= 1 && out_a.sizes() == out_b.sizes(), kMerge,
               "out_a and out_b must have one shape (..., head_dim), got ", out_a.sizes(), " and ",
               out_b.sizes());
@@ -207,11 +208,27 @@ MergeStatesParams make_merge_params(const at::Tensor& out_a, const at::Tensor& l
                 " on ", out_a.device(), ", got ", dtype_name(tensor->scalar_type()), " of shape ",
                 tensor->sizes(), " on ", tensor->device());
   }
-  MergeStatesParams p;
+  MergeStatesCall call;
+  MergeStatesParams& p = call.params;
   p.dtype = to_dtype(out_a.scalar_type(), kMerge, "out_a");
   p.rows = lse_a.numel();
   p.head_dim = out_a.size(-1);
-  return p;
+  call.rows_a = out_a.reshape({p.rows, p.head_dim});
+  call.rows_b = out_b.reshape({p.rows, p.head_dim});
+  call.lse_a = lse_a.contiguous();
+  call.lse_b = lse_b.contiguous();
+  call.out = at::empty(out_a.sizes(), out_a.options());
+  call.lse = at::empty(lse_a.sizes(), lse_a.options());
+  p.out_a = call.rows_a.data_ptr();
+  p.out_b = call.rows_b.data_ptr();
+  p.out_a_stride = p.rows > 1 ? call.rows_a.stride(0) : p.head_dim;
+  p.out_b_stride = p.rows > 1 ? call.rows_b.stride(0) : p.head_dim;
+  p.lse_a = call.lse_a.data_ptr();
+  p.lse_b = call.lse_b.data_ptr();
+  p.out = call.out.data_ptr();
+  p.out_stride = p.head_dim;
+  p.lse = call.lse.data_ptr();
+  return call;
 }
 
 }  // namespace mha_ext

@@ -28,7 +28,16 @@ PagedAttentionParams make_paged_attention_params(const at::Tensor& q, const at::
 // host memory.
 void check_paged_index_values(PagedAttentionParams& params);
 
-MergeStatesParams make_merge_params(const at::Tensor& out_a, const at::Tensor& lse_a,
-                                    const at::Tensor& out_b, const at::Tensor& lse_b);
+// merge_attention_states' inputs as [rows, head_dim] / [rows] views (copied only when the
+// leading dims do not flatten), its outputs, and the params pointing at them all: the
+// backends only launch.
+struct MergeStatesCall {
+  MergeStatesParams params;
+  at::Tensor rows_a, rows_b, lse_a, lse_b;
+  at::Tensor out, lse;
+};
+
+MergeStatesCall prepare_merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                     const at::Tensor& out_b, const at::Tensor& lse_b);
 
 }  // namespace mha_ext

@@ -60,16 +60,14 @@ void attention_backward(benchmark::State& state) {
   AttentionBackwardParams bwd;
   static_cast<AttentionForwardParams&>(bwd) = p.params;
   at::Tensor grad_out = random(p.out.sizes(), state.range(5));
-  at::Tensor grad_q = at::empty_like(p.q), grad_k = at::empty_like(p.k), grad_v = at::empty_like(p.v);
-  at::Tensor grad_q_accum = at::zeros({1, p.params.batch, p.params.num_heads, p.params.seq_q, p.params.head_dim});
-  at::Tensor delta = at::empty_like(p.lse);
-  set_backward_tensors(bwd, grad_out, nullptr, grad_q, grad_k, grad_v, grad_q_accum, delta);
+  const BackwardTensors tensors =
+      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1);
   for (auto _ : state) {
     state.PauseTiming();
-    grad_q_accum.zero_();  // the kernel accumulates into it
+    tensors.grad_q_accum.zero_();  // the kernel accumulates into it
     state.ResumeTiming();
     MHA_EXT_RUN_CPU_KERNEL(attention_backward, bwd);
-    benchmark::DoNotOptimize(grad_q.data_ptr());
+    benchmark::DoNotOptimize(tensors.grad_q.data_ptr());
   }
   set_counters(state, p, 2.5 * p.forward_flops);
 }

@@ -41,32 +41,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   static_cast<AttentionForwardParams&>(params) = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
   check_backward_args(params, grad_out, out, lse, grad_lse, q);
-  // The kernels index the logsumexp rows directly; they are O(seq) so a copy is cheap.
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-
-  at::Tensor grad_q = at::empty_like(q);
-  at::Tensor grad_k = at::empty_like(k);
-  at::Tensor grad_v = at::empty_like(v);
-  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
   // Split the key range across threads only when batch x kv_heads leaves threads idle:
   // each split then sums its own dQ partials, added up at the end.
   const int64_t kv_tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
   const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
   const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
-  at::Tensor grad_q_accum = at::zeros(
-      {splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
-      q.options().dtype(acc_dtype));
-  at::Tensor delta = at::empty({params.batch, params.num_heads, params.seq_q},
-                               q.options().dtype(acc_dtype));
-
-  set_forward_outputs(params, out, lse_rows);
+  const BackwardTensors tensors = prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits);
   params.dropout.seed = read_seed(dropout_seed);
-  set_backward_tensors(params, grad_out, grad_lse_rows.has_value() ? &*grad_lse_rows : nullptr,
-                       grad_q, grad_k, grad_v, grad_q_accum, delta);
   MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
-  return {grad_q, grad_k, grad_v};
+  return {tensors.grad_q, tensors.grad_k, tensors.grad_v};
 }
 
 at::Tensor dropout_mask_cpu(const at::Tensor& dropout_seed, int64_t batch, int64_t num_heads,

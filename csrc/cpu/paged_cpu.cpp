@@ -56,25 +56,9 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
                                                               const at::Tensor& lse_a,
                                                               const at::Tensor& out_b,
                                                               const at::Tensor& lse_b) {
-  MergeStatesParams params = make_merge_params(out_a, lse_a, out_b, lse_b);
-  // Flatten the leading dims to rows; a layout that does not flatten is copied (O(rows)).
-  const at::Tensor rows_a = out_a.reshape({params.rows, params.head_dim});
-  const at::Tensor rows_b = out_b.reshape({params.rows, params.head_dim});
-  const at::Tensor lse_a_rows = lse_a.contiguous();
-  const at::Tensor lse_b_rows = lse_b.contiguous();
-  at::Tensor out = at::empty(out_a.sizes(), out_a.options());
-  at::Tensor lse = at::empty(lse_a.sizes(), lse_a.options());
-  params.out_a = rows_a.data_ptr();
-  params.out_b = rows_b.data_ptr();
-  params.out_a_stride = params.rows > 1 ? rows_a.stride(0) : params.head_dim;
-  params.out_b_stride = params.rows > 1 ? rows_b.stride(0) : params.head_dim;
-  params.lse_a = lse_a_rows.data_ptr();
-  params.lse_b = lse_b_rows.data_ptr();
-  params.out = out.data_ptr();
-  params.out_stride = params.head_dim;
-  params.lse = lse.data_ptr();
-  MHA_EXT_RUN_CPU_KERNEL(merge_attention_states, params);
-  return {out, lse};
+  const MergeStatesCall call = prepare_merge_states(out_a, lse_a, out_b, lse_b);
+  MHA_EXT_RUN_CPU_KERNEL(merge_attention_states, call.params);
+  return {call.out, call.lse};
 }
 
 }  // namespace

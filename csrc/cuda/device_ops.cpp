@@ -69,24 +69,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_on(
   static_cast<AttentionForwardParams&>(params) = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
   check_backward_args(params, grad_out, out, lse, grad_lse, q);
-  // The kernels index the logsumexp rows directly; they are O(seq) so a copy is cheap.
-  const at::Tensor lse_rows = lse.contiguous();
-  const std::optional<at::Tensor> grad_lse_rows =
-      grad_lse.has_value() ? std::optional<at::Tensor>(grad_lse->contiguous()) : std::nullopt;
-  at::Tensor grad_q = at::empty_like(q);
-  at::Tensor grad_k = at::empty_like(k);
-  at::Tensor grad_v = at::empty_like(v);
-  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
   // One dQ workspace: the key blocks add their parts with atomics.
-  at::Tensor grad_q_accum = at::zeros({1, params.batch, params.num_heads, params.seq_q, params.head_dim},
-                                      q.options().dtype(acc_dtype));
-  at::Tensor delta = at::empty({params.batch, params.num_heads, params.seq_q}, q.options().dtype(acc_dtype));
-  set_forward_outputs(params, out, lse_rows);
-  set_backward_tensors(params, grad_out, grad_lse_rows.has_value() ? &*grad_lse_rows : nullptr, grad_q,
-                       grad_k, grad_v, grad_q_accum, delta);
+  const BackwardTensors tensors = prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, 1);
   check_launch(launch_attention_backward(params, device_seed(params, dropout_seed), kernel_choice(), stream),
                kAttention);
-  return {grad_q, grad_k, grad_v};
+  return {tensors.grad_q, tensors.grad_k, tensors.grad_v};
 }
 
 at::Tensor dropout_mask_on(cudaStream_t stream, const at::Tensor& dropout_seed, int64_t batch,
@@ -159,25 +146,9 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_on(cudaStream_t stream
                                                              const at::Tensor& lse_a,
                                                              const at::Tensor& out_b,
                                                              const at::Tensor& lse_b) {
-  MergeStatesParams params = make_merge_params(out_a, lse_a, out_b, lse_b);
-  // Flatten the leading dims to rows; a layout that does not flatten is copied (O(rows)).
-  const at::Tensor rows_a = out_a.reshape({params.rows, params.head_dim});
-  const at::Tensor rows_b = out_b.reshape({params.rows, params.head_dim});
-  const at::Tensor lse_a_rows = lse_a.contiguous();
-  const at::Tensor lse_b_rows = lse_b.contiguous();
-  at::Tensor out = at::empty(out_a.sizes(), out_a.options());
-  at::Tensor lse = at::empty(lse_a.sizes(), lse_a.options());
-  params.out_a = rows_a.data_ptr();
-  params.out_b = rows_b.data_ptr();
-  params.out_a_stride = params.rows > 1 ? rows_a.stride(0) : params.head_dim;
-  params.out_b_stride = params.rows > 1 ? rows_b.stride(0) : params.head_dim;
-  params.lse_a = lse_a_rows.data_ptr();
-  params.lse_b = lse_b_rows.data_ptr();
-  params.out = out.data_ptr();
-  params.out_stride = params.head_dim;
-  params.lse = lse.data_ptr();
-  check_launch(launch_merge_attention_states(params, stream), "mha_ext.merge_attention_states: ");
-  return {out, lse};
+  const MergeStatesCall call = prepare_merge_states(out_a, lse_a, out_b, lse_b);
+  check_launch(launch_merge_attention_states(call.params, stream), "mha_ext.merge_attention_states: ");
+  return {call.out, call.lse};
 }
 
 }  // namespace mha_ext::cuda

@@ -10,6 +10,7 @@
 // atomics; a last pass scales dQ and casts it.
 #include <algorithm>
 
+#include "cuda/kernels/launch_helpers.h"
 #include "cuda/kernels/launchers.h"
 #include "cuda/kernels/simt_rows.cuh"
 #include "cuda/kernels/tensor_core.h"
@@ -308,22 +309,6 @@ cudaError_t launch_with_shared(Kernel kernel, dim3 grid, int threads, size_t sha
   }
   kernel<<<grid, threads, shared_bytes, stream>>>(args...);
   return cudaGetLastError();
-}
-
-template <typename Kernel>
-cudaError_t dispatch_dtype(DType dtype, Kernel&& kernel) {
-  switch (dtype) {
-    case DType::kFloat32: return kernel(float{});
-    case DType::kFloat64: return kernel(double{});
-    case DType::kBFloat16: return kernel(__nv_bfloat16{});
-    case DType::kFloat16: return kernel(__half{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-// Blocks of a grid-stride loop over `work` items: enough to fill any current GPU.
-unsigned stride_blocks(int64_t work, int threads) {
-  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div<int64_t>(work, threads), 1, 65535));
 }
 
 cudaError_t forward_simt(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 // (MHA_EXT_CHECK_INDICES=1) that raises the CPU backend's errors instead.
 #include <algorithm>
 
+#include "cuda/kernels/launch_helpers.h"
 #include "cuda/kernels/launchers.h"
 #include "cuda/kernels/simt_rows.cuh"
 #include "mha_ext/paged_cache.h"
@@ -204,25 +205,10 @@ __global__ void merge_states_kernel(MergeStatesParams p) {
   }
 }
 
-template <typename Kernel>
-cudaError_t dispatch_dtype(DType dtype, Kernel&& kernel) {
-  switch (dtype) {
-    case DType::kFloat32: return kernel(float{});
-    case DType::kFloat64: return kernel(double{});
-    case DType::kBFloat16: return kernel(__nv_bfloat16{});
-    case DType::kFloat16: return kernel(__half{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-unsigned stride_blocks(int64_t work) {
-  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div<int64_t>(work, kCopyThreads), 1, 65535));
-}
-
 template <typename unit_t>
 cudaError_t launch_append(const PagedAppendParams& p, cudaStream_t stream) {
   const int64_t units = (p.head_dim + p.head_dim_v) * p.element_size / static_cast<int64_t>(sizeof(unit_t));
-  paged_kv_append_kernel<unit_t><<<stride_blocks(p.num_tokens * p.num_kv_heads * units), kCopyThreads, 0, stream>>>(p);
+  paged_kv_append_kernel<unit_t><<<stride_blocks(p.num_tokens * p.num_kv_heads * units, kCopyThreads), kCopyThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -289,7 +275,7 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms, c
       return true;
     });
     if (launched != cudaSuccess || p.num_kv_splits == 1) return launched;
-    merge_splits_kernel<scalar_t><<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v), kCopyThreads, 0, stream>>>(p);
+    merge_splits_kernel<scalar_t><<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v, kCopyThreads), kCopyThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
   return status;
@@ -299,7 +285,7 @@ cudaError_t launch_merge_attention_states(const MergeStatesParams& p, cudaStream
   if (p.rows == 0 || p.head_dim == 0) return cudaSuccess;
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    merge_states_kernel<scalar_t><<<stride_blocks(p.rows * p.head_dim), kCopyThreads, 0, stream>>>(p);
+    merge_states_kernel<scalar_t><<<stride_blocks(p.rows * p.head_dim, kCopyThreads), kCopyThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }
