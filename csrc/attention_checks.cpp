@@ -170,6 +170,15 @@ at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v) {
   return at::empty({batch, heads, seq_q, head_dim_v}, q.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> prepare_forward_outputs(AttentionForwardParams& params,
+                                                           const at::Tensor& q) {
+  at::Tensor out = empty_attention_output(q, params.head_dim_v);
+  at::Tensor lse = at::empty({params.batch, params.num_heads, params.seq_q},
+                             q.options().dtype(accumulate_dtype(q.scalar_type())));
+  set_forward_outputs(params, out, lse);
+  return {out, lse};
+}
+
 void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, const at::Tensor& lse) {
   params.out = const_cast<void*>(out.data_ptr());
   params.out_strides = row_strides(out);

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "mha_ext/attention_params.h"
 
@@ -43,6 +44,11 @@ AttentionForwardParams make_attention_params(const at::Tensor& q, const at::Tens
 // (B, S, H, D) storage when q is a transposed (B, S, H, D) view, else (B, H, S, D). The
 // register_fake in mha_ext/ops.py mirrors this rule.
 at::Tensor empty_attention_output(const at::Tensor& q, int64_t head_dim_v);
+
+// Allocates the forward's outputs – out as empty_attention_output gives it, lse
+// [batch, heads, seq_q] in the accumulation type – and points the params at them.
+std::tuple<at::Tensor, at::Tensor> prepare_forward_outputs(AttentionForwardParams& params,
+                                                           const at::Tensor& q);
 
 // Points the params at the forward's outputs: out [batch, heads, seq_q, head_dim_v] (any
 // strides, last dim contiguous) and lse [batch, heads, seq_q] contiguous. The backward reads

@@ -193,6 +193,25 @@ void check_paged_index_values(PagedAttentionParams& p) {
   }
 }
 
+PagedAttentionOutputs prepare_paged_outputs(PagedAttentionParams& params, const at::Tensor& q,
+                                            int64_t num_kv_splits) {
+  const at::TensorOptions acc_options = q.options().dtype(accumulate_dtype(q.scalar_type()));
+  PagedAttentionOutputs t;
+  t.out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
+  t.lse = at::empty({params.total_q, params.num_heads}, acc_options);
+  params.out = t.out.data_ptr();
+  params.out_strides = {t.out.stride(0), t.out.stride(1)};
+  params.lse = t.lse.data_ptr();
+  params.num_kv_splits = num_kv_splits;
+  if (num_kv_splits > 1) {
+    t.partial_out = at::empty({num_kv_splits, params.total_q, params.num_heads, params.head_dim_v}, acc_options);
+    t.partial_lse = at::empty({num_kv_splits, params.total_q, params.num_heads}, acc_options);
+    params.partial_out = t.partial_out.data_ptr();
+    params.partial_lse = t.partial_lse.data_ptr();
+  }
+  return t;
+}
+
 MergeStatesCall prepare_merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
                                      const at::Tensor& out_b, const at::Tensor& lse_b) {
   TORCH_CHECK(out_a.dim() >= 1 && out_a.sizes() == out_b.sizes(), kMerge,

@@ -28,6 +28,16 @@ PagedAttentionParams make_paged_attention_params(const at::Tensor& q, const at::
 // host memory.
 void check_paged_index_values(PagedAttentionParams& params);
 
+// paged_attention's outputs, out [total_q, heads, head_dim_v] and lse [total_q, heads], and
+// with num_kv_splits > 1 the split-K workspaces, all allocated with params pointing at them.
+struct PagedAttentionOutputs {
+  at::Tensor out, lse;
+  at::Tensor partial_out, partial_lse;  // undefined with one split
+};
+
+PagedAttentionOutputs prepare_paged_outputs(PagedAttentionParams& params, const at::Tensor& q,
+                                            int64_t num_kv_splits);
+
 // merge_attention_states' inputs as [rows, head_dim] / [rows] views (copied only when the
 // leading dims do not flatten), its outputs, and the params pointing at them all: the
 // backends only launch.

@@ -22,10 +22,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     bool bottom_right) {
   AttentionForwardParams params = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
-  at::Tensor out = empty_attention_output(q, params.head_dim_v);
-  at::Tensor lse = at::empty({params.batch, params.num_heads, params.seq_q},
-                             q.options().dtype(accumulate_dtype(q.scalar_type())));
-  set_forward_outputs(params, out, lse);
+  auto [out, lse] = prepare_forward_outputs(params, q);
   params.dropout.seed = read_seed(dropout_seed);
   MHA_EXT_RUN_CPU_KERNEL(attention_forward, params);
   return {out, lse};

@@ -27,29 +27,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, cons
   PagedAttentionParams params =
       make_paged_attention_params(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
   check_paged_index_values(params);
-  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
-  at::Tensor out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({params.total_q, params.num_heads}, q.options().dtype(acc_dtype));
-  params.out = out.data_ptr();
-  params.out_strides = {out.stride(0), out.stride(1)};
-  params.lse = lse.data_ptr();
-
   // Split long contexts when sequences x kv heads x query chunks leave threads idle; a
   // split below 256 keys would cost more in merging than it saves.
   const int64_t tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
-  params.num_kv_splits = std::max<int64_t>(
+  const int64_t splits = std::max<int64_t>(
       1, std::min((2 * at::get_num_threads() + tasks - 1) / tasks, params.max_seq_len / 256));
-  at::Tensor partial_out, partial_lse;
-  if (params.num_kv_splits > 1) {
-    partial_out = at::empty({params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v},
-                            q.options().dtype(acc_dtype));
-    partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads},
-                            q.options().dtype(acc_dtype));
-    params.partial_out = partial_out.data_ptr();
-    params.partial_lse = partial_lse.data_ptr();
-  }
+  const PagedAttentionOutputs outputs = prepare_paged_outputs(params, q, splits);
   MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
-  return {out, lse};
+  return {outputs.out, outputs.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& out_a,

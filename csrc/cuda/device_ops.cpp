@@ -50,10 +50,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_on(
     double dropout_p, double scale, int64_t window_left, int64_t window_right, bool bottom_right) {
   AttentionForwardParams params = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
-  at::Tensor out = empty_attention_output(q, params.head_dim_v);
-  at::Tensor lse = at::empty({params.batch, params.num_heads, params.seq_q},
-                             q.options().dtype(accumulate_dtype(q.scalar_type())));
-  set_forward_outputs(params, out, lse);
+  auto [out, lse] = prepare_forward_outputs(params, q);
   check_launch(launch_attention_forward(params, device_seed(params, dropout_seed), kernel_choice(), stream),
                kAttention);
   return {out, lse};
@@ -122,23 +119,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_on(cudaStream_t stream, int n
   params.max_queries_per_seq = params.total_q;
   params.max_seq_len = params.max_blocks_per_seq * params.block_size;
 
-  const at::ScalarType acc_dtype = accumulate_dtype(q.scalar_type());
-  at::Tensor out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
-  at::Tensor lse = at::empty({params.total_q, params.num_heads}, q.options().dtype(acc_dtype));
-  params.out = out.data_ptr();
-  params.out_strides = {out.stride(0), out.stride(1)};
-  params.lse = lse.data_ptr();
-  params.num_kv_splits = paged_attention_splits(params, num_sms);
-  at::Tensor partial_out, partial_lse;
-  if (params.num_kv_splits > 1) {
-    partial_out = at::empty({params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v},
-                            q.options().dtype(acc_dtype));
-    partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads}, q.options().dtype(acc_dtype));
-    params.partial_out = partial_out.data_ptr();
-    params.partial_lse = partial_lse.data_ptr();
-  }
+  const PagedAttentionOutputs outputs = prepare_paged_outputs(params, q, paged_attention_splits(params, num_sms));
   check_launch(launch_paged_attention(params, num_sms, stream), "mha_ext.paged_attention: ");
-  return {out, lse};
+  return {outputs.out, outputs.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_on(cudaStream_t stream,

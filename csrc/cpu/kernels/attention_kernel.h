@@ -103,21 +103,85 @@ inline ForwardPlan plan_forward(const AttentionForwardParams& p) {
   return {group, q_blocks, blocks_per_task, chunks, group * blocks_per_task};
 }
 
+// One forward task: (batch, kv head, chunk of query blocks) and its sub-blocks. Sub-block i
+// is query head kv_head * group + i % group over query block first_block + i / group.
+struct ForwardTask {
+  const AttentionForwardParams& p;
+  const ForwardPlan& plan;
+  int64_t batch, kv_head, first_block, blocks;
+
+  ForwardTask(const AttentionForwardParams& params, const ForwardPlan& forward_plan, int64_t task)
+      : p(params), plan(forward_plan) {
+    batch = task / (p.num_kv_heads * plan.chunks);
+    kv_head = task / plan.chunks % p.num_kv_heads;
+    first_block = task % plan.chunks * plan.blocks_per_task;
+    blocks = std::min(plan.blocks_per_task, plan.q_blocks - first_block);
+  }
+  int64_t sub_blocks() const { return blocks * plan.group; }
+  int64_t head(int64_t i) const { return kv_head * plan.group + i % plan.group; }
+  int64_t row0(int64_t i) const { return (first_block + i / plan.group) * kBlockQ; }
+  int64_t rows(int64_t i) const { return std::min(kBlockQ, p.seq_q - row0(i)); }
+  // Both window bounds grow with the row: a query block's keys run from its first row's
+  // begin to its last row's end, and the task's from its first block to its last. Key tiles
+  // start at multiples of kBlockK.
+  int64_t key_begin() const {
+    return visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
+  }
+  int64_t key_end() const {
+    return visible_keys(p.window, std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1, p.seq_k).end;
+  }
+  // Whether some row of sub-block i sees a key of [key0, key0 + cols).
+  bool sees(int64_t i, int64_t key0, int64_t cols) const {
+    return key0 < visible_keys(p.window, row0(i) + rows(i) - 1, p.seq_k).end &&
+           key0 + cols > visible_keys(p.window, row0(i), p.seq_k).begin;
+  }
+  template <typename scalar_t>
+  const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
+    return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
+  }
+};
+
+// Starts the online softmax of a task's sub-blocks: zero outputs and sums, max -inf.
+template <typename acc_t>
+void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum) {
+  const int64_t rows = task.sub_blocks() * kBlockQ;
+  std::fill(o_tiles, o_tiles + rows * ld_dv, acc_t(0));
+  std::fill(row_max, row_max + rows, -std::numeric_limits<acc_t>::infinity());
+  std::fill(row_sum, row_sum + rows, acc_t(0));
+}
+
+// Writes the task's normalised outputs and logsumexps.
+template <typename scalar_t, typename acc_t>
+void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, const acc_t* row_max,
+                 const acc_t* row_sum) {
+  const AttentionForwardParams& p = task.p;
+  for (int64_t i = 0; i < task.sub_blocks(); ++i) {
+    const int64_t head = task.head(i), row0 = task.row0(i);
+    scalar_t* out = static_cast<scalar_t*>(p.out) + task.batch * p.out_strides.batch +
+                    head * p.out_strides.head + row0 * p.out_strides.row;
+    acc_t* lse = static_cast<acc_t*>(p.lse) + (task.batch * p.num_heads + head) * p.seq_q + row0;
+    for (int64_t r = 0; r < task.rows(i); ++r) {
+      const int64_t row = i * kBlockQ + r;
+      lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row], row_sum[row],
+                          out + r * p.out_strides.row);
+    }
+  }
+}
+
 template <typename scalar_t>
 void attention_forward_kernel(const AttentionForwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   using Vec = at::vec::Vectorized<acc_t>;
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
-  const auto [group, q_blocks, blocks_per_task, chunks, sub_blocks] = plan_forward(p);
+  const ForwardPlan plan = plan_forward(p);
   // Row strides of the fp32 tiles, padded to whole vectors.
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t sub_rows = sub_blocks * kBlockQ;
+  const int64_t sub_rows = plan.sub_blocks * kBlockQ;
   const int64_t scratch_size = sub_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
                                kBlockQ * kBlockK + sub_rows * ld_dv + 2 * sub_rows +
                                kBlockK * p.head_dim;
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kBlockQ, ld_d]
     acc_t* kt_tile = q_tiles + sub_rows * ld_d;             // [head_dim, kBlockK]
     acc_t* v_tile = kt_tile + p.head_dim * kBlockK;         // [kBlockK, ld_dv]
@@ -127,47 +191,29 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
     acc_t* row_sum = row_max + sub_rows;                    // [sub_blocks, kBlockQ]
     acc_t* staging = row_sum + sub_rows;                    // [kBlockK, head_dim]
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (p.num_kv_heads * chunks);
-      const int64_t kv_head = task / chunks % p.num_kv_heads;
-      const int64_t first_block = task % chunks * blocks_per_task;
-      const int64_t blocks = std::min(blocks_per_task, q_blocks - first_block);
-      // Sub-block i: head kv_head * group + i % group, query block first_block + i / group.
-      auto head_of = [&](int64_t i) { return kv_head * group + i % group; };
-      auto row0_of = [&](int64_t i) { return (first_block + i / group) * kBlockQ; };
-      auto rows_of = [&](int64_t i) { return std::min(kBlockQ, p.seq_q - row0_of(i)); };
-      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
-                          kv_head * p.k_strides.head;
-      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
-                          kv_head * p.v_strides.head;
-
-      for (int64_t i = 0; i < blocks * group; ++i) {
+    for (int64_t index = begin; index < end; ++index) {
+      const ForwardTask task(p, plan, index);
+      const int64_t batch = task.batch;
+      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
+      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
+      for (int64_t i = 0; i < task.sub_blocks(); ++i) {
         const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
-                            head_of(i) * p.q_strides.head + row0_of(i) * p.q_strides.row;
-        load_rows(q, p.q_strides.row, rows_of(i), p.head_dim, q_tiles + i * kBlockQ * ld_d, ld_d,
+                            task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
+        load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kBlockQ * ld_d, ld_d,
                   static_cast<acc_t>(p.scale));
       }
-      std::fill(o_tiles, o_tiles + blocks * group * kBlockQ * ld_dv, acc_t(0));
-      std::fill(row_max, row_max + blocks * group * kBlockQ, kMinusInf);
-      std::fill(row_sum, row_sum + blocks * group * kBlockQ, acc_t(0));
+      reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
 
-      // Both window bounds grow with the row: a query block's keys run from its first row's
-      // begin to its last row's end, and the task's from its first block to its last.
-      const int64_t last_row = std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1;
-      const int64_t key_begin = visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
-      const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
-      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
+      const int64_t key_end = task.key_end();
+      for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
         load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
                              kt_tile, kBlockK, staging);
         load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
 
-        for (int64_t i = 0; i < blocks * group; ++i) {
-          const int64_t head = head_of(i), row0 = row0_of(i), rows = rows_of(i);
-          if (key0 >= visible_keys(p.window, row0 + rows - 1, p.seq_k).end ||
-              key0 + cols <= visible_keys(p.window, row0, p.seq_k).begin) {
-            continue;  // no row of this block sees any key of the tile
-          }
+        for (int64_t i = 0; i < task.sub_blocks(); ++i) {
+          if (!task.sees(i, key0, cols)) continue;
+          const int64_t head = task.head(i), row0 = task.row0(i), rows = task.rows(i);
           const acc_t* q_tile = q_tiles + i * kBlockQ * ld_d;
           acc_t* o_tile = o_tiles + i * kBlockQ * ld_dv;
           // S = Q K^T   [rows, cols]
@@ -184,18 +230,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }
       }
-
-      for (int64_t i = 0; i < blocks * group; ++i) {
-        const int64_t head = head_of(i), row0 = row0_of(i);
-        scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
-                        head * p.out_strides.head + row0 * p.out_strides.row;
-        acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
-        for (int64_t r = 0; r < rows_of(i); ++r) {
-          lse[r] = finish_row(o_tiles + (i * kBlockQ + r) * ld_dv, p.head_dim_v,
-                              row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
-                              out + r * p.out_strides.row);
-        }
-      }
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sum);
     }
   });
 }
@@ -413,11 +448,10 @@ __attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src
 inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
-  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  const auto [group, q_blocks, blocks_per_task, chunks, sub_blocks] = plan_forward(p);
+  const ForwardPlan plan = plan_forward(p);
   const int64_t pairs = p.head_dim / 2;  // 32-bit words per q / k row
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t sub_rows = sub_blocks * kBlockQ;
+  const int64_t sub_rows = plan.sub_blocks * kBlockQ;
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // fp32 words: K^T pairs [pairs, kBlockK], V pairs [kBlockK / 2, head_dim_v], S
@@ -426,7 +460,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   const int64_t scratch_size = pairs * kBlockK + kBlockK / 2 * p.head_dim_v + kBlockQ * kBlockK +
                                kBlockQ * kBlockK / 2 + sub_rows * ld_dv + 2 * sub_rows;
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch<float>(scratch_size);
     uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(scratch);          // [pairs, kBlockK]
     uint32_t* v_pairs = kt_pairs + pairs * kBlockK;                      // [kBlockK / 2, head_dim_v]
@@ -436,26 +470,15 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
     float* row_max = o_tiles + sub_rows * ld_dv;                                     // [sub_rows]
     float* row_sum = row_max + sub_rows;                                             // [sub_rows]
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (p.num_kv_heads * chunks);
-      const int64_t kv_head = task / chunks % p.num_kv_heads;
-      const int64_t first_block = task % chunks * blocks_per_task;
-      const int64_t blocks = std::min(blocks_per_task, q_blocks - first_block);
-      auto head_of = [&](int64_t i) { return kv_head * group + i % group; };
-      auto row0_of = [&](int64_t i) { return (first_block + i / group) * kBlockQ; };
-      auto rows_of = [&](int64_t i) { return std::min(kBlockQ, p.seq_q - row0_of(i)); };
-      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
-                          kv_head * p.k_strides.head;
-      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
-                          kv_head * p.v_strides.head;
-      std::fill(o_tiles, o_tiles + blocks * group * kBlockQ * ld_dv, 0.f);
-      std::fill(row_max, row_max + blocks * group * kBlockQ, kMinusInf);
-      std::fill(row_sum, row_sum + blocks * group * kBlockQ, 0.f);
+    for (int64_t index = begin; index < end; ++index) {
+      const ForwardTask task(p, plan, index);
+      const int64_t batch = task.batch;
+      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
+      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
+      reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
 
-      const int64_t last_row = std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1;
-      const int64_t key_begin = visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
-      const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
-      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
+      const int64_t key_end = task.key_end();
+      for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
         const int64_t even_cols = round_up(cols, 2);  // P V reduces over key pairs
         // K^T pairs: word (d / 2, c) = head dims d, d + 1 of key c.
@@ -473,12 +496,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           }
         }
 
-        for (int64_t i = 0; i < blocks * group; ++i) {
-          const int64_t head = head_of(i), row0 = row0_of(i), rows = rows_of(i);
-          if (key0 >= visible_keys(p.window, row0 + rows - 1, p.seq_k).end ||
-              key0 + cols <= visible_keys(p.window, row0, p.seq_k).begin) {
-            continue;  // no row of this block sees any key of the tile
-          }
+        for (int64_t i = 0; i < task.sub_blocks(); ++i) {
+          if (!task.sees(i, key0, cols)) continue;
+          const int64_t head = task.head(i), row0 = task.row0(i), rows = task.rows(i);
           const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                               head * p.q_strides.head + row0 * p.q_strides.row;
           float* o_tile = o_tiles + i * kBlockQ * ld_dv;
@@ -503,16 +523,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
         }
       }
 
-      for (int64_t i = 0; i < blocks * group; ++i) {
-        const int64_t head = head_of(i), row0 = row0_of(i);
-        scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch +
-                        head * p.out_strides.head + row0 * p.out_strides.row;
-        float* lse = static_cast<float*>(p.lse) + (batch * p.num_heads + head) * p.seq_q + row0;
-        for (int64_t r = 0; r < rows_of(i); ++r) {
-          lse[r] = finish_row(o_tiles + (i * kBlockQ + r) * ld_dv, p.head_dim_v, row_max[i * kBlockQ + r],
-                              row_sum[i * kBlockQ + r], out + r * p.out_strides.row);
-        }
-      }
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sum);
     }
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
   });
