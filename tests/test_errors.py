@@ -152,3 +152,20 @@ def test_module_arguments():
     x = torch.randn(2, 5, 64)
     with pytest.raises(ValueError, match=r"head_mask must have shape \(8,\) or \(2, 8\), got \(4,\)"):
         layer(x, x, x, head_mask=torch.ones(4))
+
+
+@pytest.mark.cpu_only  # a build-time check: runs setup.py, nothing device-specific
+@pytest.mark.parametrize("setting", ["64,72", "0", "64,fast"])
+def test_bad_tensor_core_head_dims_stop_the_build(setting):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/usr/local/cuda/bin/nvcc").exists() or torch.version.cuda is None:
+        pytest.skip("the head-dim list is read only for a CUDA build")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "MHA_EXT_CUDA": "1", "CUDA_HOME": "/usr/local/cuda", "MHA_EXT_HEAD_DIMS": setting}
+    result = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert f"MHA_EXT_HEAD_DIMS must list multiples of 16 in [16, 256], got '{setting}'" in result.stderr
