@@ -58,6 +58,22 @@ void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, in
   }
 }
 
+// mask_scores_row for rows [row0, row0 + rows) of a score tile s_tile [rows, ld], skipped
+// when there is no mask and every row sees every key of the tile (the window's bounds both
+// grow with the row, so the first row's end and the last row's begin decide).
+template <typename scalar_t, typename acc_t>
+void mask_scores_tile(acc_t* s_tile, int64_t ld, int64_t rows, int64_t cols,
+                      const AttentionForwardParams& p, int64_t batch, int64_t head, int64_t row0,
+                      int64_t key0) {
+  const bool all_visible = p.mask.kind == MaskKind::kNone &&
+                           visible_keys(p.window, row0, p.seq_k).end >= key0 + cols &&
+                           visible_keys(p.window, row0 + rows - 1, p.seq_k).begin <= key0;
+  if (all_visible) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    mask_scores_row<scalar_t>(s_tile + r * ld, cols, p, batch, head, row0 + r, key0);
+  }
+}
+
 // Multiplies kept entries of one probability row by 1 / (1 - p) and zeroes dropped ones.
 template <typename acc_t>
 void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dropout,
@@ -218,13 +234,12 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           acc_t* o_tile = o_tiles + i * kBlockQ * ld_dv;
           // S = Q K^T   [rows, cols]
           tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
-          for (int64_t r = 0; r < rows; ++r) {
-            acc_t* s = s_tile + r * kBlockK;
-            mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
-            online_softmax_step(s, cols, row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
-                                o_tile + r * ld_dv, p.head_dim_v);
-            // Dropout acts on the normalised probabilities, after their sum was taken.
-            if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+          mask_scores_tile<scalar_t>(s_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
+          online_softmax_tile(s_tile, kBlockK, rows, cols, row_max + i * kBlockQ, row_sum + i * kBlockQ,
+                              o_tile, ld_dv, p.head_dim_v);
+          // Dropout acts on the normalised probabilities, after their sum was taken.
+          for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
+            apply_dropout_row(s_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
           }
           // O += P V   [rows, head_dim_v]
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
@@ -338,6 +353,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             // P = exp(S - lse), recomputed from the saved logsumexp   [rows, cols]
             tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, p_tile,
                              kBlockK);
+            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
             for (int64_t r = 0; r < rows; ++r) {
               acc_t* s = p_tile + r * kBlockK;
               const acc_t row_lse = lse[row0 + r];
@@ -345,8 +361,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                 std::fill(s, s + cols, acc_t(0));
                 continue;
               }
-              mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
-              at::vec::map([row_lse](Vec x) { return (x - Vec(row_lse)).exp_u20(); }, s, s, cols);
+              at::vec::map([row_lse](Vec x) { return softmax_exp(x - Vec(row_lse)); }, s, s, cols);
             }
             const acc_t* pd = p_tile;
             if (p.dropout.enabled) {
@@ -505,13 +520,16 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           // S = Q K^T   [rows, cols], straight from q's rows
           at::native::cpublas::brgemm(rows, cols, p.head_dim, p.q_strides.row, kBlockK, kBlockK, false, q,
                                       reinterpret_cast<const scalar_t*>(kt_pairs), s_tile, true);
+          // An additive mask adds to scaled scores; otherwise the exp applies the scale.
+          for (int64_t r = 0; !fold_scale && r < rows; ++r) {
+            float* s = s_tile + r * kBlockK;
+            at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+          }
+          mask_scores_tile<scalar_t>(s_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
+          online_softmax_tile(s_tile, kBlockK, rows, cols, row_max + i * kBlockQ, row_sum + i * kBlockQ,
+                              o_tile, ld_dv, p.head_dim_v, fold_scale ? scale : 1.f);
           for (int64_t r = 0; r < rows; ++r) {
             float* s = s_tile + r * kBlockK;
-            // An additive mask adds to scaled scores; otherwise the exp applies the scale.
-            if (!fold_scale) at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
-            mask_scores_row<scalar_t>(s, cols, p, batch, head, row0 + r, key0);
-            online_softmax_step(s, cols, row_max[i * kBlockQ + r], row_sum[i * kBlockQ + r],
-                                o_tile + r * ld_dv, p.head_dim_v, fold_scale ? scale : 1.f);
             if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
             scalar_t* p_row = p_tile + r * kBlockK;
             round_to_bf16(s, p_row, cols);

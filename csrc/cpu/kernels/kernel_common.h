@@ -89,51 +89,111 @@ void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
   for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<scalar_t>(src[c] * factor);
 }
 
-// One key tile's step of a row's online softmax. On entry s holds the tile's scores (-inf
-// where hidden); on exit it holds exp(s - row_max). The running max moves lazily: only when
-// a tile's max exceeds it by more than kRescaleMargin does it jump to that max, with the
-// sum and the row's output accumulator rescaled. Most tiles thus skip the rescale, and
-// p = exp(s - row_max) stays below e^8 (about 3000), harmless in fp32 sums. While a row has
-// seen no key, its tile gets p = 0 and nothing changes.
+// e^x for the softmax. On AVX-512 in fp32: x = n ln2 + r with n = round(x log2 e), e^r by
+// the degree-5 polynomial of at::vec's exp_u20 and 2^n applied by VSCALEFPS, which also
+// takes e^-inf and deep underflow to 0 (x is clamped at -104 first, past fp32's smallest
+// subnormal; NaN passes). 11 instructions against exp_u20's 17 made the softmax about 1.3x
+// faster, and the relative error is at most 1.7e-7 (exp_u20: 3.7e-7) over [-110, 20].
+// Other ISAs and fp64 use exp_u20.
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> softmax_exp(const at::vec::Vectorized<acc_t>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-104.f), x);  // x if x is NaN
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // r = x - n ln2, with ln2 split in two so that n ln2's high part is exact
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 poly = _mm512_set1_ps(0.00828929059f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.0418978221f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.166676521f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.499991506f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.999999701f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(poly, n);
+  }
+#endif
+  return x.exp_u20();
+}
+
+// Horizontal max and sum of one vector: the AVX2 / AVX-512 fp32 vectors' own shuffle
+// reductions, at::vec's generic one elsewhere (the generic reduce_add member does not compile).
+template <typename acc_t>
+acc_t horizontal_max(const at::vec::Vectorized<acc_t>& v) {
+  using Vec = at::vec::Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return v.reduce_max();
+#endif
+  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+template <typename acc_t>
+acc_t horizontal_sum(const at::vec::Vectorized<acc_t>& v) {
+  using Vec = at::vec::Vectorized<acc_t>;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return v.reduce_add();
+#endif
+  return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// One key tile's step of the online softmax of `rows` rows. On entry s_tile [rows, ld_s]
+// holds the tile's scores (-inf where hidden); on exit it holds exp(s - row_max). The
+// running max moves lazily: only when a tile's max exceeds it by more than kRescaleMargin
+// does it jump to that max, with the sum and the row's output accumulator (o_tile
+// [rows, ld_o]) rescaled. Most tiles thus skip the rescale, and p = exp(s - row_max) stays
+// below e^8 (about 3000), harmless in fp32 sums. While a row has seen no key, its tile gets
+// p = 0 and nothing changes.
 // score_scale (> 0) multiplies the scores first, fused into the exp: a kernel whose GEMM
 // left them unscaled saves a pass over the tile (1 keeps the result bit for bit).
+// The max pass runs over all rows before the exp pass: with the rows' horizontal
+// reductions independent of each other the core overlaps them, which per-row passes did not.
 template <typename acc_t>
-void online_softmax_step(acc_t* s, int64_t cols, acc_t& row_max, acc_t& row_sum, acc_t* o_row,
-                         int64_t head_dim_v, acc_t score_scale = acc_t(1)) {
+void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols, acc_t* row_max,
+                         acc_t* row_sum, acc_t* o_tile, int64_t ld_o, int64_t head_dim_v,
+                         acc_t score_scale = acc_t(1)) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   constexpr acc_t kRescaleMargin = 8;
-  const acc_t tile_max = score_scale * at::vec::reduce_all<acc_t>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, cols);
-  if (tile_max == kMinusInf && row_max == kMinusInf) {
-    std::fill(s, s + cols, acc_t(0));
-    return;
-  }
-  if (tile_max > row_max + kRescaleMargin) {  // also the first tile with a visible key
-    if (row_sum != acc_t(0)) {
-      const acc_t rescale = std::exp(row_max - tile_max);
-      row_sum *= rescale;
-      at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o_row, o_row, head_dim_v);
+  const int64_t full = cols / Vec::size() * Vec::size();
+  const int tail = static_cast<int>(cols - full);
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* s = s_tile + r * ld_s;
+    Vec max_vec(kMinusInf);
+    for (int64_t c = 0; c < full; c += Vec::size()) max_vec = at::vec::clamp_min(Vec::loadu(s + c), max_vec);
+    if (tail) max_vec = at::vec::clamp_min(Vec::set(max_vec, Vec::loadu(s + full, tail), tail), max_vec);
+    const acc_t tile_max = score_scale * horizontal_max(max_vec);
+    if (tile_max > row_max[r] + kRescaleMargin) {  // also the first tile with a visible key
+      if (row_sum[r] != acc_t(0)) {
+        const acc_t rescale = std::exp(row_max[r] - tile_max);
+        row_sum[r] *= rescale;
+        acc_t* o_row = o_tile + r * ld_o;
+        at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o_row, o_row, head_dim_v);
+      }
+      row_max[r] = tile_max;
     }
-    row_max = tile_max;
   }
-  // p = exp(score_scale * s - row_max), summed in the same pass.
   const Vec scale_vec(score_scale);
-  const Vec minus_max(-row_max);
-  Vec sum_vec(acc_t(0));
-  int64_t c = 0;
-  for (; c + Vec::size() <= cols; c += Vec::size()) {
-    const Vec p = at::vec::fmadd(Vec::loadu(s + c), scale_vec, minus_max).exp_u20();
-    p.store(s + c);
-    sum_vec = sum_vec + p;
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* s = s_tile + r * ld_s;
+    if (row_max[r] == kMinusInf) {  // no visible key yet: p = 0 (a NaN score stays NaN)
+      std::replace(s, s + cols, kMinusInf, acc_t(0));
+      continue;
+    }
+    // p = exp(score_scale * s - row_max), summed in the same pass.
+    const Vec minus_max(-row_max[r]);
+    Vec sum_vec(acc_t(0));
+    for (int64_t c = 0; c < full; c += Vec::size()) {
+      const Vec p = softmax_exp(at::vec::fmadd(Vec::loadu(s + c), scale_vec, minus_max));
+      p.store(s + c);
+      sum_vec = sum_vec + p;
+    }
+    if (tail) {
+      const Vec p = softmax_exp(at::vec::fmadd(Vec::loadu(s + full, tail), scale_vec, minus_max));
+      p.store(s + full, tail);
+      sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
+    }
+    row_sum[r] += horizontal_sum(sum_vec);
   }
-  if (c < cols) {
-    const int tail = static_cast<int>(cols - c);
-    const Vec p = at::vec::fmadd(Vec::loadu(s + c, tail), scale_vec, minus_max).exp_u20();
-    p.store(s + c, tail);
-    sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
-  }
-  row_sum += at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, sum_vec);
 }
 
 // Writes a finished row: out = o / sum, and returns its logsumexp. A row that saw no key has

@@ -159,8 +159,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           acc_t* s = s_tile + r * kBlockK;
           const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
           std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
-          online_softmax_step(s, cols, row_max[r], row_sum[r], o_tile + r * ld_dv, p.head_dim_v);
         }
+        online_softmax_tile(s_tile, kBlockK, rows, cols, row_max, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
           // O[r] += P[r, c] v_c, one cached value row at a time.
           for (int64_t c = 0; c < cols; ++c) {
