@@ -151,6 +151,11 @@ struct ForwardTask {
     return key0 < visible_keys(p.window, row0(i) + rows(i) - 1, p.seq_k).end &&
            key0 + cols > visible_keys(p.window, row0(i), p.seq_k).begin;
   }
+  // How many of the keys [key0, key0 + cols) come before the end of sub-block i's window:
+  // the columns of the tile that sub-block has to compute.
+  int64_t cols_seen(int64_t i, int64_t key0, int64_t cols) const {
+    return std::min(cols, visible_keys(p.window, row0(i) + rows(i) - 1, p.seq_k).end - key0);
+  }
   template <typename scalar_t>
   const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
     return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
@@ -524,36 +529,37 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                               task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
           // S = Q K^T   [rows, cols], straight from q's rows
-          at::native::cpublas::brgemm(task.rows(i), cols, p.head_dim, p.q_strides.row, key_tile, key_tile, false, q,
-                                      reinterpret_cast<const scalar_t*>(kt_pairs), s_tiles + i * kBlockQ * key_tile,
-                                      true);
+          at::native::cpublas::brgemm(task.rows(i), task.cols_seen(i, key0, cols), p.head_dim, p.q_strides.row,
+                                      key_tile, key_tile, false, q, reinterpret_cast<const scalar_t*>(kt_pairs),
+                                      s_tiles + i * kBlockQ * key_tile, true);
         }
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
           if (!task.sees(i, key0, cols)) continue;
           const int64_t head = task.head(i), row0 = task.row0(i), rows = task.rows(i);
+          const int64_t cols_i = task.cols_seen(i, key0, cols), even_cols_i = round_up(cols_i, 2);
           float* s_tile = s_tiles + i * kBlockQ * key_tile;
           // An additive mask adds to scaled scores; otherwise the exp applies the scale.
           for (int64_t r = 0; !fold_scale && r < rows; ++r) {
             float* s = s_tile + r * key_tile;
-            at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+            at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols_i);
           }
-          mask_scores_tile<scalar_t>(s_tile, key_tile, rows, cols, p, batch, head, row0, key0);
-          online_softmax_tile(s_tile, key_tile, rows, cols, row_max + i * kBlockQ, row_sum + i * kBlockQ,
+          mask_scores_tile<scalar_t>(s_tile, key_tile, rows, cols_i, p, batch, head, row0, key0);
+          online_softmax_tile(s_tile, key_tile, rows, cols_i, row_max + i * kBlockQ, row_sum + i * kBlockQ,
                               o_tiles + i * kBlockQ * ld_dv, ld_dv, p.head_dim_v, fold_scale ? scale : 1.f);
           for (int64_t r = 0; r < rows; ++r) {
             float* s = s_tile + r * key_tile;
-            if (p.dropout.enabled) apply_dropout_row(s, cols, p.dropout, batch, head, row0 + r, key0);
+            if (p.dropout.enabled) apply_dropout_row(s, cols_i, p.dropout, batch, head, row0 + r, key0);
             scalar_t* p_row = p_tiles + (i * kBlockQ + r) * key_tile;
-            round_to_bf16(s, p_row, cols);
-            if (cols < even_cols) p_row[cols] = scalar_t(0.f);
+            round_to_bf16(s, p_row, cols_i);
+            if (cols_i < even_cols_i) p_row[cols_i] = scalar_t(0.f);
           }
         }
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
           if (!task.sees(i, key0, cols)) continue;
           // O += P V   [rows, head_dim_v]
-          at::native::cpublas::brgemm(task.rows(i), p.head_dim_v, even_cols, key_tile, p.head_dim_v, ld_dv, true,
-                                      p_tiles + i * kBlockQ * key_tile, reinterpret_cast<const scalar_t*>(v_pairs),
-                                      o_tiles + i * kBlockQ * ld_dv, true);
+          at::native::cpublas::brgemm(task.rows(i), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2),
+                                      key_tile, p.head_dim_v, ld_dv, true, p_tiles + i * kBlockQ * key_tile,
+                                      reinterpret_cast<const scalar_t*>(v_pairs), o_tiles + i * kBlockQ * ld_dv, true);
         }
       }
 
