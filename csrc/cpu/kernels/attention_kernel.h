@@ -14,6 +14,10 @@
 // workspace that a last pass sums; splits only exist when batch x kv heads is smaller than
 // the thread count.
 //
+// bf16 on CPUs with AVX512-BF16 (the AVX-512 build): both directions run their products on
+// torch's brgemm (AMX tiles where present) with bf16 operands, fp32 accumulation and the
+// softmax in fp32; other dtypes and CPUs use the fp32 tile GEMMs above.
+//
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
 #if defined(CPU_CAPABILITY_AVX512)
@@ -287,8 +291,6 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
-  compute_delta<scalar_t, acc_t>(p);
-
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t key_blocks = ceil_div(p.seq_k, kBlockK);
   const int64_t splits = p.num_kv_splits;
@@ -410,8 +412,15 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       }
     }
   });
+}
 
-  // dQ = scale * (sum over splits of the partial sums)
+// dQ = scale * (sum over the key splits of the partial sums in grad_q_accum).
+template <typename scalar_t>
+void finish_grad_q(const AttentionBackwardParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
   at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
@@ -420,7 +429,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       acc_t* accum = static_cast<acc_t*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
       for (int64_t i = 0; i < p.seq_q; ++i) {
         acc_t* row = accum + i * p.head_dim;
-        for (int64_t split = 1; split < splits; ++split) {
+        for (int64_t split = 1; split < p.num_kv_splits; ++split) {
           const acc_t* partial = row + split * accum_split_stride;
           at::vec::map2([](Vec a, Vec b) { return a + b; }, row, row, partial, p.head_dim);
         }
@@ -441,17 +450,46 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
 // [k / 2][n][k % 2]). For K^T that is a 32-bit transpose of the K tile (a pair of head dims
 // is one 32-bit word of a K row); for V it interleaves consecutive rows.
 
-// The kernel reads q, k and v rows as 32-bit pairs in place.
-inline bool bf16_brgemm_usable(const AttentionForwardParams& p) {
-  // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and P's
-  // conversion below uses AVX512-BF16.
+// The kernels read k and v rows (and the backward grad_out rows) as 32-bit pairs in place.
+inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = false) {
+  // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and the
+  // roundings to bf16 below use AVX512-BF16.
   static const bool cpu_ok = __builtin_cpu_supports("avx512bf16");
   auto even_rows = [](const void* data, const RowStrides& strides) {
     return reinterpret_cast<uintptr_t>(data) % 4 == 0 && strides.batch % 2 == 0 &&
            strides.head % 2 == 0 && strides.row % 2 == 0;
   };
-  return cpu_ok && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 && even_rows(p.q, p.q_strides) &&
-         even_rows(p.k, p.k_strides) && even_rows(p.v, p.v_strides);
+  const bool forward_ok = cpu_ok && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+                          even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
+                          even_rows(p.v, p.v_strides);
+  if (!backward) return forward_ok;
+  // The backward also transposes V as pairs of value dims and reads dO rows in place.
+  const auto& b = static_cast<const AttentionBackwardParams&>(p);
+  return forward_ok && p.head_dim_v % 2 == 0 && even_rows(b.grad_out, b.grad_out_strides);
+}
+
+// B operand from rows: word (r / 2, c) of dst [ceil(rows / 2), ld] holds element c of rows r
+// and r + 1 of src (a zero row pads an odd count).
+inline void pack_row_pairs(const c10::BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols,
+                           uint32_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    const uint16_t* first = reinterpret_cast<const uint16_t*>(src + r * src_stride);
+    const uint16_t* second = reinterpret_cast<const uint16_t*>(src + (r + 1) * src_stride);
+    uint32_t* out = dst + r / 2 * ld;
+    if (r + 1 < rows) {
+      for (int64_t c = 0; c < cols; ++c) out[c] = first[c] | static_cast<uint32_t>(second[c]) << 16;
+    } else {
+      for (int64_t c = 0; c < cols; ++c) out[c] = first[c];
+    }
+  }
+}
+
+// B operand from columns: word (c / 2, r) of dst [cols / 2, ld] holds elements c and c + 1 of
+// row r of src, i.e. a 32-bit transpose of src's rows (cols even, src 4-byte aligned).
+inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols,
+                              uint32_t* dst, int64_t ld) {
+  transpose_tile(reinterpret_cast<const float*>(src), src_stride / 2, rows, cols / 2,
+                 reinterpret_cast<float*>(dst), ld);
 }
 
 // dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
@@ -506,21 +544,10 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += key_tile) {
         const int64_t cols = std::min(key_tile, p.seq_k - key0);
-        const int64_t even_cols = round_up(cols, 2);  // P V reduces over key pairs
         // K^T pairs: word (d / 2, c) = head dims d, d + 1 of key c.
-        transpose_tile(reinterpret_cast<const float*>(k + key0 * p.k_strides.row), p.k_strides.row / 2, cols,
-                       pairs, reinterpret_cast<float*>(kt_pairs), key_tile);
-        // V pairs: word (c / 2, d) = dim d of keys c, c + 1 (a zero key pads an odd count).
-        for (int64_t c = 0; c < even_cols; c += 2) {
-          const uint16_t* first = reinterpret_cast<const uint16_t*>(v + (key0 + c) * p.v_strides.row);
-          const uint16_t* second = reinterpret_cast<const uint16_t*>(v + (key0 + c + 1) * p.v_strides.row);
-          uint32_t* out = v_pairs + c / 2 * p.head_dim_v;
-          if (c + 1 < cols) {
-            for (int64_t d = 0; d < p.head_dim_v; ++d) out[d] = first[d] | static_cast<uint32_t>(second[d]) << 16;
-          } else {
-            for (int64_t d = 0; d < p.head_dim_v; ++d) out[d] = first[d];
-          }
-        }
+        pack_column_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, kt_pairs, key_tile);
+        // V pairs: word (c / 2, d) = dim d of keys c, c + 1.
+        pack_row_pairs(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_pairs, p.head_dim_v);
 
         // The sub-blocks' products go in two runs, all S = Q K^T and then all O += P V:
         // brgemm reconfigures the AMX tiles whenever consecutive calls change shape.
@@ -568,6 +595,154 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
   });
 }
+
+// dst [cols, ld] = src [rows, ld_src] transposed and rounded to bf16, through the fp32
+// staging tile [cols, kBlockQ]; a zero column pads an odd row count (the products that read
+// dst reduce over pairs of rows).
+inline void transpose_to_bf16(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* staging,
+                              c10::BFloat16* dst, int64_t ld) {
+  transpose_tile(src, ld_src, rows, cols, staging, kBlockQ);
+  for (int64_t c = 0; c < cols; ++c) {
+    round_to_bf16(staging + c * kBlockQ, dst + c * ld, rows);
+    if (rows % 2) dst[c * ld + rows] = c10::BFloat16(0.f);
+  }
+}
+
+// bf16 backward on brgemm, the same task layout and arithmetic as attention_backward_kernel
+// with bf16 operands and fp32 accumulation in all five products; P and dS are rounded to
+// bf16 for the products that take them, as GPU FlashAttention's backward does. Per key
+// block K^T, V^T and K are packed once (column pairs, column pairs, row pairs); per query
+// block Q and dO are packed as row pairs, and S and dP read q and dO rows in place.
+inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
+  using scalar_t = c10::BFloat16;
+  using Vec = at::vec::Vectorized<float>;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t key_blocks = ceil_div(p.seq_k, kBlockK);
+  const int64_t splits = p.num_kv_splits;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
+  const int64_t ld_d = round_up(d, Vec::size()), ld_dv = round_up(dv, Vec::size());
+  const int64_t tile = kBlockQ * kBlockK;
+  const float scale = static_cast<float>(p.scale);
+  const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
+  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * d;
+  // 32-bit words: packed K^T, V^T, K, Q, dO; fp32 P, dropped P, dP / dS, transpose staging;
+  // bf16 P^T, dS, dS^T (half a word each); fp32 dK and dV accumulators.
+  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + kBlockQ / 2 * d +
+                               kBlockQ / 2 * dv + 4 * tile + 3 * tile / 2 + kBlockK * ld_d + kBlockK * ld_dv;
+
+  at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kBlockK]
+    uint32_t* vt_pairs = kt_pairs + d / 2 * kBlockK;     // [dv / 2, kBlockK]
+    uint32_t* k_pairs = vt_pairs + dv / 2 * kBlockK;     // [kBlockK / 2, d]
+    uint32_t* q_pairs = k_pairs + kBlockK / 2 * d;       // [kBlockQ / 2, d]
+    uint32_t* do_pairs = q_pairs + kBlockQ / 2 * d;      // [kBlockQ / 2, dv]
+    float* p_tile = reinterpret_cast<float*>(do_pairs + kBlockQ / 2 * dv);  // [kBlockQ, kBlockK] P
+    float* pd_tile = p_tile + tile;                      // [kBlockQ, kBlockK] P after dropout
+    float* ds_tile = pd_tile + tile;                     // [kBlockQ, kBlockK] dP, then dS
+    float* staging = ds_tile + tile;                     // [kBlockK, kBlockQ]
+    scalar_t* pt_bf16 = reinterpret_cast<scalar_t*>(staging + tile);  // [kBlockK, kBlockQ] P^T
+    scalar_t* ds_bf16 = pt_bf16 + tile;                  // [kBlockQ, kBlockK] dS
+    scalar_t* dst_bf16 = ds_bf16 + tile;                 // [kBlockK, kBlockQ] dS^T
+    float* dk_tile = reinterpret_cast<float*>(dst_bf16 + tile);  // [kBlockK, ld_d]
+    float* dv_tile = dk_tile + kBlockK * ld_d;           // [kBlockK, ld_dv]
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t batch = task / (p.num_kv_heads * splits);
+      const int64_t kv_head = task / splits % p.num_kv_heads;
+      const int64_t split = task % splits;
+      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
+      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
+      scalar_t* grad_k = static_cast<scalar_t*>(p.grad_k) + batch * p.grad_k_strides.batch +
+                         kv_head * p.grad_k_strides.head;
+      scalar_t* grad_v = static_cast<scalar_t*>(p.grad_v) + batch * p.grad_v_strides.batch +
+                         kv_head * p.grad_v_strides.head;
+
+      for (int64_t block = split * key_blocks / splits; block < (split + 1) * key_blocks / splits; ++block) {
+        const int64_t key0 = block * kBlockK;
+        const int64_t cols = std::min(kBlockK, p.seq_k - key0), even_cols = round_up(cols, 2);
+        pack_column_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);
+        pack_column_pairs(v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kBlockK);
+        pack_row_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
+        std::fill(dk_tile, dk_tile + cols * ld_d, 0.f);
+        std::fill(dv_tile, dv_tile + cols * ld_dv, 0.f);
+        const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
+
+        for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+          const int64_t bh = batch * p.num_heads + head;
+          const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
+          const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
+          float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + split * accum_split_stride + bh * p.seq_q * d;
+          for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, seeing.end - row0), even_rows = round_up(rows, 2);
+            const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                                head * p.q_strides.head + row0 * p.q_strides.row;
+            const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                                       head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
+            pack_row_pairs(q, p.q_strides.row, rows, d, q_pairs, d);
+            pack_row_pairs(grad_out, p.grad_out_strides.row, rows, dv, do_pairs, dv);
+
+            // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
+            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
+                                        reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
+            for (int64_t r = 0; !fold_scale && r < rows; ++r) {
+              float* s = p_tile + r * kBlockK;
+              at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+            }
+            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
+            const Vec score_scale(fold_scale ? scale : 1.f);
+            for (int64_t r = 0; r < rows; ++r) {
+              float* s = p_tile + r * kBlockK;
+              const float row_lse = lse[row0 + r];
+              if (row_lse == -std::numeric_limits<float>::infinity()) {  // a fully masked row has P = 0
+                std::fill(s, s + cols, 0.f);
+                continue;
+              }
+              at::vec::map([&](Vec x) { return softmax_exp(at::vec::fmadd(x, score_scale, Vec(-row_lse))); }, s, s,
+                           cols);
+            }
+            const float* pd = p_tile;
+            if (p.dropout.enabled) {
+              std::copy(p_tile, p_tile + rows * kBlockK, pd_tile);
+              for (int64_t r = 0; r < rows; ++r) {
+                apply_dropout_row(pd_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
+              }
+              pd = pd_tile;
+            }
+            // dV += P_dropped^T dO   [cols, dv]
+            transpose_to_bf16(pd, kBlockK, rows, cols, staging, pt_bf16, kBlockQ);
+            at::native::cpublas::brgemm(cols, dv, even_rows, kBlockQ, dv, ld_dv, true, pt_bf16,
+                                        reinterpret_cast<const scalar_t*>(do_pairs), dv_tile, true);
+            // dP = dO V^T   [rows, cols]
+            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
+                                        reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
+            // dS = P * (dP * dropout - delta), then in bf16 as it is and transposed
+            for (int64_t r = 0; r < rows; ++r) {
+              float* ds = ds_tile + r * kBlockK;
+              if (p.dropout.enabled) apply_dropout_row(ds, cols, p.dropout, batch, head, row0 + r, key0);
+              const float row_delta = delta[row0 + r];
+              at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); }, ds,
+                            p_tile + r * kBlockK, ds, cols);
+              round_to_bf16(ds, ds_bf16 + r * kBlockK, cols);
+              if (cols < even_cols) ds_bf16[r * kBlockK + cols] = scalar_t(0.f);
+            }
+            transpose_to_bf16(ds_tile, kBlockK, rows, cols, staging, dst_bf16, kBlockQ);
+            // dK += dS^T Q   [cols, d]  (scaled on the store)
+            at::native::cpublas::brgemm(cols, d, even_rows, kBlockQ, d, ld_d, true, dst_bf16,
+                                        reinterpret_cast<const scalar_t*>(q_pairs), dk_tile, true);
+            // dQ += dS K   [rows, d]  (scaled when the splits are summed)
+            at::native::cpublas::brgemm(rows, d, even_cols, kBlockK, d, d, true, ds_bf16,
+                                        reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + row0 * d, true);
+          }
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          store_row(dk_tile + c * ld_d, d, scale, grad_k + (key0 + c) * p.grad_k_strides.row);
+          store_row(dv_tile + c * ld_dv, dv, 1.f, grad_v + (key0 + c) * p.grad_v_strides.row);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
+  });
+}
 #endif
 
 // The ISA's entry points, declared for the dispatcher in kernels.h.
@@ -579,7 +754,20 @@ void attention_forward(const AttentionForwardParams& params) {
 }
 
 void attention_backward(const AttentionBackwardParams& params) {
-  dispatch_dtype(params.dtype, [&](auto tag) { attention_backward_kernel<decltype(tag)>(params); });
+  dispatch_dtype(params.dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    compute_delta<scalar_t, typename AccumulateType<scalar_t>::type>(params);
+#if defined(CPU_CAPABILITY_AVX512)
+    if (std::is_same_v<scalar_t, c10::BFloat16> && bf16_brgemm_usable(params, /*backward=*/true)) {
+      attention_backward_bf16_brgemm(params);
+    } else {
+      attention_backward_kernel<scalar_t>(params);
+    }
+#else
+    attention_backward_kernel<scalar_t>(params);
+#endif
+    finish_grad_q<scalar_t>(params);
+  });
 }
 
 }  // namespace CPU_CAPABILITY
