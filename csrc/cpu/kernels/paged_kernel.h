@@ -31,13 +31,38 @@ const scalar_t* cache_row(const scalar_t* cache, const CacheStrides& strides, co
   return cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
 }
 
+// Cached rows are requested this many positions before they are read. A sequence's blocks
+// lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
+// at every page boundary: without the requests, decode read a bf16 cache at 40% of the
+// streaming bandwidth, most of the time spent waiting on loads that missed.
+constexpr int64_t kPrefetchRows = 16;
+
+// Requests row `position` (if before `end`) into the caches, one 64-byte line at a time.
+template <typename scalar_t>
+void prefetch_cache_row(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
+                        int64_t block_size, int64_t kv_head, int64_t position, int64_t end, int64_t dim) {
+  if (position >= end) return;
+  const char* row = reinterpret_cast<const char*>(cache_row(cache, strides, block_table, block_size, kv_head,
+                                                            position));
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+#if defined(__x86_64__)
+    // GCC 12 drops __builtin_prefetch from this loop once inlined (no PREFETCH was left in
+    // the kernels), so the instruction is written out.
+    asm volatile("prefetcht1 %0" : : "m"(row[byte]));
+#else
+    __builtin_prefetch(row + byte, 0, 2);
+#endif
+  }
+}
+
 // Rows [first, first + count) of a paged K or V cache for one sequence and kv head, copied
-// like load_rows.
+// like load_rows; rows up to `end` are prefetched ahead.
 template <typename scalar_t, typename acc_t>
 void gather_cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                       int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
+                       int64_t block_size, int64_t kv_head, int64_t first, int64_t count, int64_t end,
                        int64_t dim, acc_t* dst, int64_t ld) {
   for (int64_t r = 0; r < count; ++r) {
+    prefetch_cache_row(cache, strides, block_table, block_size, kv_head, first + r + kPrefetchRows, end, dim);
     load_rows(cache_row(cache, strides, block_table, block_size, kv_head, first + r), 0, 1, dim,
               dst + r * ld, ld);
   }
@@ -142,6 +167,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // S[:, c] = Q k_c, one cached key row at a time: no K^T tile to build.
           for (int64_t c = 0; c < cols; ++c) {
+            prefetch_cache_row(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
+                               key0 + c + kPrefetchRows, key_end, p.head_dim);
             const acc_t* k_row = cache_row_as(k_cache, p.k_cache_strides, block_table, p.block_size,
                                               kv_head, key0 + c, p.head_dim, kt_tile);
             for (int64_t r = 0; r < rows; ++r) {
@@ -150,7 +177,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           }
         } else {
           gather_cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0,
-                            cols, p.head_dim, staging, p.head_dim);
+                            cols, key_end, p.head_dim, staging, p.head_dim);
           transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
           // S = Q K^T   [rows, cols]
           tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
@@ -164,6 +191,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // O[r] += P[r, c] v_c, one cached value row at a time.
           for (int64_t c = 0; c < cols; ++c) {
+            prefetch_cache_row(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
+                               key0 + c + kPrefetchRows, key_end, p.head_dim_v);
             const acc_t* v_row = cache_row_as(v_cache, p.v_cache_strides, block_table, p.block_size,
                                               kv_head, key0 + c, p.head_dim_v, v_tile);
             for (int64_t r = 0; r < rows; ++r) {
@@ -175,7 +204,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           }
         } else {
           gather_cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0,
-                            cols, p.head_dim_v, v_tile, ld_dv);
+                            cols, key_end, p.head_dim_v, v_tile, ld_dv);
           // O += P V   [rows, head_dim_v]
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }
