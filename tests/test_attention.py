@@ -132,6 +132,21 @@ def test_strided_rows_and_heads():
     check_backward(q, k, v, {"window": (9, 3)})
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("case", ["odd_head_dim", "odd_value_dim", "rows_off_4_bytes"])
+def test_bf16_inputs_the_brgemm_kernels_refuse_take_the_fp32_tiles(case):
+    # The AVX-512 build runs bf16 on brgemm only for even head dims (the backward also an
+    # even value dim) and 4-byte aligned rows, read as bf16 pairs; anything else must fall
+    # back to the fp32 tile kernels, not read pairs across rows.
+    dims = {"odd_head_dim": (63, 64), "odd_value_dim": (64, 33), "rows_off_4_bytes": (64, 64)}[case]
+    q, k, v = random_qkv(2, 8, 2, 37, 70, *dims, dtype=torch.bfloat16)
+    if case == "rows_off_4_bytes":  # every tensor one bf16 element past a 4-byte boundary
+        q, k, v = (torch.cat([t.flatten(), t.new_zeros(1)])[1:].view(t.shape) for t in (q, k, v))
+        assert all(t.data_ptr() % 4 == 2 for t in (q, k, v))
+    check_forward(q, k, v, {"causal": "bottom_right"})
+    check_backward(q, k, v, {"causal": "bottom_right"})
+
+
 def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
     q, k, v = random_qkv(2, 4, 2, 24, 16, 32)
     mask = torch.rand(2, 1, 24, 16) > 0.5
