@@ -259,6 +259,29 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   });
 }
 
+// One backward task: (batch, kv head, split of the key blocks), the key blocks
+// [first_block, end_block) of that split, and its rows of K, V, dK and dV.
+struct BackwardTask {
+  int64_t batch, kv_head, split, first_block, end_block;
+
+  BackwardTask(const AttentionBackwardParams& p, int64_t task) {
+    const int64_t splits = p.num_kv_splits, key_blocks = ceil_div(p.seq_k, kBlockK);
+    batch = task / (p.num_kv_heads * splits);
+    kv_head = task / splits % p.num_kv_heads;
+    split = task % splits;
+    first_block = split * key_blocks / splits;
+    end_block = (split + 1) * key_blocks / splits;
+  }
+  template <typename scalar_t>
+  const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
+    return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
+  }
+  template <typename scalar_t>
+  scalar_t* grad_kv_rows(void* data, const RowStrides& strides) const {
+    return static_cast<scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
+  }
+};
+
 // delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] - dlse[b, h, i]: the row term of
 // dS = P * (dP - delta), including the gradient that reaches the logsumexp output.
 template <typename scalar_t, typename acc_t>
@@ -292,7 +315,6 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t key_blocks = ceil_div(p.seq_k, kBlockK);
   const int64_t splits = p.num_kv_splits;
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
@@ -316,21 +338,15 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* dv_tile = dk_tile + kBlockK * ld_d;             // [kBlockK, ld_dv]
     acc_t* staging = dv_tile + kBlockK * ld_dv;            // [kBlockK, head_dim_v]
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (p.num_kv_heads * splits);
-      const int64_t kv_head = task / splits % p.num_kv_heads;
-      const int64_t split = task % splits;
-      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
-                          kv_head * p.k_strides.head;
-      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
-                          kv_head * p.v_strides.head;
-      scalar_t* grad_k = static_cast<scalar_t*>(p.grad_k) + batch * p.grad_k_strides.batch +
-                         kv_head * p.grad_k_strides.head;
-      scalar_t* grad_v = static_cast<scalar_t*>(p.grad_v) + batch * p.grad_v_strides.batch +
-                         kv_head * p.grad_v_strides.head;
+    for (int64_t index = begin; index < end; ++index) {
+      const BackwardTask task(p, index);
+      const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
+      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
+      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
+      scalar_t* grad_k = task.grad_kv_rows<scalar_t>(p.grad_k, p.grad_k_strides);
+      scalar_t* grad_v = task.grad_kv_rows<scalar_t>(p.grad_v, p.grad_v_strides);
 
-      for (int64_t block = split * key_blocks / splits; block < (split + 1) * key_blocks / splits;
-           ++block) {
+      for (int64_t block = task.first_block; block < task.end_block; ++block) {
         const int64_t key0 = block * kBlockK;
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
         load_rows(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
@@ -617,7 +633,6 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t key_blocks = ceil_div(p.seq_k, kBlockK);
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
   const int64_t ld_d = round_up(d, Vec::size()), ld_dv = round_up(dv, Vec::size());
@@ -646,18 +661,15 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
     float* dk_tile = reinterpret_cast<float*>(dst_bf16 + tile);  // [kBlockK, ld_d]
     float* dv_tile = dk_tile + kBlockK * ld_d;           // [kBlockK, ld_dv]
 
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t batch = task / (p.num_kv_heads * splits);
-      const int64_t kv_head = task / splits % p.num_kv_heads;
-      const int64_t split = task % splits;
-      const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
-      const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
-      scalar_t* grad_k = static_cast<scalar_t*>(p.grad_k) + batch * p.grad_k_strides.batch +
-                         kv_head * p.grad_k_strides.head;
-      scalar_t* grad_v = static_cast<scalar_t*>(p.grad_v) + batch * p.grad_v_strides.batch +
-                         kv_head * p.grad_v_strides.head;
+    for (int64_t index = begin; index < end; ++index) {
+      const BackwardTask task(p, index);
+      const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
+      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
+      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
+      scalar_t* grad_k = task.grad_kv_rows<scalar_t>(p.grad_k, p.grad_k_strides);
+      scalar_t* grad_v = task.grad_kv_rows<scalar_t>(p.grad_v, p.grad_v_strides);
 
-      for (int64_t block = split * key_blocks / splits; block < (split + 1) * key_blocks / splits; ++block) {
+      for (int64_t block = task.first_block; block < task.end_block; ++block) {
         const int64_t key0 = block * kBlockK;
         const int64_t cols = std::min(kBlockK, p.seq_k - key0), even_cols = round_up(cols, 2);
         pack_column_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);

@@ -97,7 +97,7 @@ acc_t dot_product(const acc_t* a, const acc_t* b, int64_t n) {
     acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
   }
   if (i < n) acc = at::vec::fmadd(Vec::loadu(a + i, n - i), Vec::loadu(b + i, n - i), acc);
-  return at::vec::vec_reduce_all<acc_t>([](Vec& x, Vec& y) { return x + y; }, acc);
+  return horizontal_sum(acc);
 }
 
 template <typename scalar_t>
