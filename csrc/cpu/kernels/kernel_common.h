@@ -60,6 +60,17 @@ T* thread_scratch(int64_t elements) {
   return buffer.get();
 }
 
+// The first `count` elements from src (at most a vector's worth) as a vector of acc_t; lanes
+// past count are 0.
+template <typename acc_t, typename scalar_t>
+inline at::vec::Vectorized<acc_t> load_as(const scalar_t* src, int64_t count) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return at::vec::Vectorized<acc_t>::loadu(src, count);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src, count)));
+  }
+}
+
 // dst[r * ld + c] = src[r * src_stride + c] * factor for r < rows, c < cols, converted to
 // acc_t. Query tiles load with factor = softmax scale, so scores come out of the GEMM scaled.
 template <typename scalar_t, typename acc_t>

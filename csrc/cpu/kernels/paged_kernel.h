@@ -23,12 +23,19 @@
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
-// Row `position` of a sequence's keys or values for one kv head, found through its block table.
+// The cache rows of positions [first, first + count) of a sequence, for one kv head: rows[i]
+// holds position first + i. The block table is looked up once per block, not per row: the
+// 64-bit divisions that locate a position (block_size is known only at run time), four per
+// key row with the prefetch, were a large part of decode's time per key.
 template <typename scalar_t>
-const scalar_t* cache_row(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                          int64_t block_size, int64_t kv_head, int64_t position) {
-  const CacheSlot slot = slot_location(slot_of_position(block_table, position, block_size), block_size);
-  return cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
+void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
+                int64_t block_size, int64_t kv_head, int64_t first, int64_t count, const scalar_t** rows) {
+  for (int64_t i = 0; i < count;) {
+    const CacheSlot slot = slot_location(slot_of_position(block_table, first + i, block_size), block_size);
+    const scalar_t* row = cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
+    const int64_t in_block = std::min(block_size - slot.offset, count - i);
+    for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
+  }
 }
 
 // Cached rows are requested this many positions before they are read. A sequence's blocks
@@ -37,49 +44,39 @@ const scalar_t* cache_row(const scalar_t* cache, const CacheStrides& strides, co
 // streaming bandwidth, most of the time spent waiting on loads that missed.
 constexpr int64_t kPrefetchRows = 16;
 
-// Requests row `position` (if before `end`) into the caches, one 64-byte line at a time.
+// Requests a row of `dim` elements into the caches, one 64-byte line at a time.
 template <typename scalar_t>
-void prefetch_cache_row(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                        int64_t block_size, int64_t kv_head, int64_t position, int64_t end, int64_t dim) {
-  if (position >= end) return;
-  const char* row = reinterpret_cast<const char*>(cache_row(cache, strides, block_table, block_size, kv_head,
-                                                            position));
+void prefetch_row(const scalar_t* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
 #if defined(__x86_64__)
     // GCC 12 drops __builtin_prefetch from this loop once inlined (no PREFETCH was left in
     // the kernels), so the instruction is written out.
-    asm volatile("prefetcht1 %0" : : "m"(row[byte]));
+    asm volatile("prefetcht1 %0" : : "m"(bytes[byte]));
 #else
-    __builtin_prefetch(row + byte, 0, 2);
+    __builtin_prefetch(bytes + byte, 0, 2);
 #endif
   }
 }
 
-// Rows [first, first + count) of a paged K or V cache for one sequence and kv head, copied
-// like load_rows; rows up to `end` are prefetched ahead.
-template <typename scalar_t, typename acc_t>
-void gather_cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                       int64_t block_size, int64_t kv_head, int64_t first, int64_t count, int64_t end,
-                       int64_t dim, acc_t* dst, int64_t ld) {
-  for (int64_t r = 0; r < count; ++r) {
-    prefetch_cache_row(cache, strides, block_table, block_size, kv_head, first + r + kPrefetchRows, end, dim);
-    load_rows(cache_row(cache, strides, block_table, block_size, kv_head, first + r), 0, 1, dim,
-              dst + r * ld, ld);
-  }
-}
+// A key tile's cached rows: rows[i] for i < listed, the tile's own rows first and then up to
+// kPrefetchRows rows of the next tile, which the tile's loop requests ahead of use.
+template <typename scalar_t>
+struct TileRows {
+  const scalar_t* rows[kKeyBlock + kPrefetchRows];
+  int64_t listed = 0;
 
-// One cached row in the accumulation type: the cache itself when the types agree, else a
-// converted copy in `buffer`.
+  void prefetch(int64_t i, int64_t dim) const {
+    if (i + kPrefetchRows < listed) prefetch_row(rows[i + kPrefetchRows], dim);
+  }
+};
+
+// Rows [0, count) of a tile copied like load_rows into dst [count, ld].
 template <typename scalar_t, typename acc_t>
-const acc_t* cache_row_as(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                          int64_t block_size, int64_t kv_head, int64_t position, int64_t dim,
-                          acc_t* buffer) {
-  const scalar_t* row = cache_row(cache, strides, block_table, block_size, kv_head, position);
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return row;
-  } else {
-    load_rows(row, 0, 1, dim, buffer, dim);
-    return buffer;
+void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim, acc_t* dst, int64_t ld) {
+  for (int64_t i = 0; i < count; ++i) {
+    tile.prefetch(i, dim);
+    load_rows(tile.rows[i], 0, 1, dim, dst + i * ld, ld);
   }
 }
 
@@ -88,16 +85,47 @@ const acc_t* cache_row_as(const scalar_t* cache, const CacheStrides& strides, co
 // more than the GEMM saves when it feeds so few rows.
 constexpr int64_t kDirectRows = 4;
 
-template <typename acc_t>
-acc_t dot_product(const acc_t* a, const acc_t* b, int64_t n) {
+// scores[r * ld_s] = q[r] . key for r < kRows: each vector of the cached key is loaded and
+// converted once for all rows.
+template <int kRows, typename scalar_t, typename acc_t>
+void score_key(const acc_t* q, int64_t ld_q, const scalar_t* key, int64_t dim, acc_t* scores, int64_t ld_s) {
   using Vec = at::vec::Vectorized<acc_t>;
-  Vec acc(acc_t(0));
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  Vec acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = Vec(acc_t(0));
+  for (int64_t d = 0; d < dim; d += Vec::size()) {
+    const int64_t width = std::min<int64_t>(Vec::size(), dim - d);
+    const Vec k = load_as<acc_t>(key + d, width);
+    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, width), k, acc[r]);
   }
-  if (i < n) acc = at::vec::fmadd(Vec::loadu(a + i, n - i), Vec::loadu(b + i, n - i), acc);
-  return horizontal_sum(acc);
+  for (int r = 0; r < kRows; ++r) scores[r * ld_s] = horizontal_sum(acc[r]);
+}
+
+// o[r] += weights[r * ld_w] * value for r < kRows, the cached value loaded once for all rows.
+template <int kRows, typename scalar_t, typename acc_t>
+void accumulate_value(const acc_t* weights, int64_t ld_w, const scalar_t* value, int64_t dim, acc_t* o,
+                      int64_t ld_o) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec weight[kRows];
+  for (int r = 0; r < kRows; ++r) weight[r] = Vec(weights[r * ld_w]);
+  for (int64_t d = 0; d < dim; d += Vec::size()) {
+    const int64_t width = std::min<int64_t>(Vec::size(), dim - d);
+    const Vec v = load_as<acc_t>(value + d, width);
+    for (int r = 0; r < kRows; ++r) {
+      acc_t* out = o + r * ld_o + d;
+      at::vec::fmadd(weight[r], v, Vec::loadu(out, width)).store(out, width);
+    }
+  }
+}
+
+// Calls kernel(std::integral_constant<int, rows>) for rows in [1, kDirectRows].
+template <typename Kernel>
+void dispatch_direct_rows(int64_t rows, Kernel&& kernel) {
+  switch (rows) {
+    case 1: return kernel(std::integral_constant<int, 1>{});
+    case 2: return kernel(std::integral_constant<int, 2>{});
+    case 3: return kernel(std::integral_constant<int, 3>{});
+    default: return kernel(std::integral_constant<int, kDirectRows>{});
+  }
 }
 
 template <typename scalar_t>
@@ -162,22 +190,24 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
       const bool direct = rows <= kDirectRows;
+      TileRows<scalar_t> k_rows, v_rows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
+        k_rows.listed = v_rows.listed = std::min(cols + kPrefetchRows, key_end - key0);
+        cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
+                   k_rows.rows);
+        cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
+                   v_rows.rows);
         if (direct) {
           // S[:, c] = Q k_c, one cached key row at a time: no K^T tile to build.
-          for (int64_t c = 0; c < cols; ++c) {
-            prefetch_cache_row(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head,
-                               key0 + c + kPrefetchRows, key_end, p.head_dim);
-            const acc_t* k_row = cache_row_as(k_cache, p.k_cache_strides, block_table, p.block_size,
-                                              kv_head, key0 + c, p.head_dim, kt_tile);
-            for (int64_t r = 0; r < rows; ++r) {
-              s_tile[r * kBlockK + c] = dot_product(q_tile + r * ld_d, k_row, p.head_dim);
+          dispatch_direct_rows(rows, [&](auto kRows) {
+            for (int64_t c = 0; c < cols; ++c) {
+              k_rows.prefetch(c, p.head_dim);
+              score_key<kRows>(q_tile, ld_d, k_rows.rows[c], p.head_dim, s_tile + c, kBlockK);
             }
-          }
+          });
         } else {
-          gather_cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0,
-                            cols, key_end, p.head_dim, staging, p.head_dim);
+          gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
           transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
           // S = Q K^T   [rows, cols]
           tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
@@ -190,21 +220,14 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         online_softmax_tile(s_tile, kBlockK, rows, cols, row_max, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
           // O[r] += P[r, c] v_c, one cached value row at a time.
-          for (int64_t c = 0; c < cols; ++c) {
-            prefetch_cache_row(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head,
-                               key0 + c + kPrefetchRows, key_end, p.head_dim_v);
-            const acc_t* v_row = cache_row_as(v_cache, p.v_cache_strides, block_table, p.block_size,
-                                              kv_head, key0 + c, p.head_dim_v, v_tile);
-            for (int64_t r = 0; r < rows; ++r) {
-              const acc_t weight = s_tile[r * kBlockK + c];
-              acc_t* o = o_tile + r * ld_dv;
-              at::vec::map2([weight](Vec acc, Vec v) { return at::vec::fmadd(Vec(weight), v, acc); },
-                            o, o, v_row, p.head_dim_v);
+          dispatch_direct_rows(rows, [&](auto kRows) {
+            for (int64_t c = 0; c < cols; ++c) {
+              v_rows.prefetch(c, p.head_dim_v);
+              accumulate_value<kRows>(s_tile + c, kBlockK, v_rows.rows[c], p.head_dim_v, o_tile, ld_dv);
             }
-          }
+          });
         } else {
-          gather_cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0,
-                            cols, key_end, p.head_dim_v, v_tile, ld_dv);
+          gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
           // O += P V   [rows, head_dim_v]
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }
