@@ -100,19 +100,35 @@ void score_key(const acc_t* q, int64_t ld_q, const scalar_t* key, int64_t dim, a
   for (int r = 0; r < kRows; ++r) scores[r * ld_s] = horizontal_sum(acc[r]);
 }
 
-// o[r] += weights[r * ld_w] * value for r < kRows, the cached value loaded once for all rows.
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
+// place. O is kept in registers a slice of kValueVectors vectors at a time while all the
+// tile's values pass by, rather than loaded and stored again for every key: each value row
+// is read once per slice, from the caches after the first.
+constexpr int kValueVectors = 4;
+
 template <int kRows, typename scalar_t, typename acc_t>
-void accumulate_value(const acc_t* weights, int64_t ld_w, const scalar_t* value, int64_t dim, acc_t* o,
-                      int64_t ld_o) {
+void accumulate_values(const acc_t* p_tile, int64_t ld_p, const TileRows<scalar_t>& values, int64_t cols,
+                       int64_t dim, acc_t* o, int64_t ld_o) {
   using Vec = at::vec::Vectorized<acc_t>;
-  Vec weight[kRows];
-  for (int r = 0; r < kRows; ++r) weight[r] = Vec(weights[r * ld_w]);
-  for (int64_t d = 0; d < dim; d += Vec::size()) {
-    const int64_t width = std::min<int64_t>(Vec::size(), dim - d);
-    const Vec v = load_as<acc_t>(value + d, width);
+  constexpr int64_t kWidth = Vec::size();
+  for (int64_t d0 = 0; d0 < dim; d0 += kValueVectors * kWidth) {
+    int64_t width[kValueVectors];  // valid lanes of each vector of the slice (0 past dim)
+    for (int j = 0; j < kValueVectors; ++j) width[j] = std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
+    Vec acc[kRows][kValueVectors];
     for (int r = 0; r < kRows; ++r) {
-      acc_t* out = o + r * ld_o + d;
-      at::vec::fmadd(weight[r], v, Vec::loadu(out, width)).store(out, width);
+      for (int j = 0; j < kValueVectors; ++j) acc[r][j] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      if (d0 == 0) values.prefetch(c, dim);
+      Vec v[kValueVectors];
+      for (int j = 0; j < kValueVectors; ++j) v[j] = load_as<acc_t>(values.rows[c] + d0 + j * kWidth, width[j]);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec weight(p_tile[r * ld_p + c]);
+        for (int j = 0; j < kValueVectors; ++j) acc[r][j] = at::vec::fmadd(weight, v[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int j = 0; j < kValueVectors; ++j) acc[r][j].store(o + r * ld_o + d0 + j * kWidth, width[j]);
     }
   }
 }
@@ -221,10 +237,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // O[r] += P[r, c] v_c, one cached value row at a time.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            for (int64_t c = 0; c < cols; ++c) {
-              v_rows.prefetch(c, p.head_dim_v);
-              accumulate_value<kRows>(s_tile + c, kBlockK, v_rows.rows[c], p.head_dim_v, o_tile, ld_dv);
-            }
+            accumulate_values<kRows>(s_tile, kBlockK, v_rows, cols, p.head_dim_v, o_tile, ld_dv);
           });
         } else {
           gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
