@@ -1,4 +1,7 @@
 """Paged KV cache: in-place append, paged attention, state merging, allocator, generation."""
+import gc
+import sys
+
 import pytest
 import torch
 
@@ -302,6 +305,32 @@ def test_exhaustion_raises_before_anything_changes():
         cache.prepare([7], [1])
     with pytest.raises(ValueError, match=r"layout must be 'HND' or 'NHD', got 'HDN'"):
         mha_ext.PagedKVCache(1, 3, 4, 1, 2, layout="HDN")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked of Linux only")
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_large_cpu_caches_live_on_huge_page_boundaries(layout):
+    # 64 blocks x 2 heads x 16 tokens x 256 x 4 bytes = 2 MiB per cache: the huge-page path.
+    cache = mha_ext.PagedKVCache(2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=256, layout=layout)
+    small = mha_ext.PagedKVCache(1, num_blocks=2, block_size=16, num_kv_heads=2, head_dim=256, huge_pages=False)
+    for tensor in cache.key_caches + cache.value_caches:
+        assert tensor.shape == (64, 2, 16, 256) and tensor.dtype == torch.float32
+        assert tensor.data_ptr() % (2 << 20) == 0
+        assert torch.count_nonzero(tensor) == 0
+    pointers = {t.data_ptr() for t in cache.key_caches + cache.value_caches}
+    assert len(pointers) == 4  # one mapping per cache, none shared
+    assert small.key_caches[0].untyped_storage().nbytes() == 2 * 2 * 16 * 256 * 4  # plain allocation
+
+    # The tensors keep their mappings alive after the cache object is gone, and stay usable.
+    keys = cache.key_caches[1]
+    del cache
+    gc.collect()
+    slots = torch.tensor([0, 17, 1023], dtype=torch.int64)
+    new_keys = torch.randn(3, 2, 256)
+    mha_ext.paged_kv_append(new_keys, new_keys, keys, keys.clone(), slots)
+    assert torch.equal(keys[0, :, 0], new_keys[0]) and torch.equal(keys[1, :, 1], new_keys[1])
+    assert torch.equal(keys[63, :, 15], new_keys[2])
+    assert torch.count_nonzero(keys) == 3 * 2 * 256
 
 
 # ---------------------------------------------------------------- module and generation
