@@ -9,6 +9,7 @@ cuDNN and efficient backends separately) and the textbook "naive" attention the 
 tutorial writes out, where its O(S^2) memory allows.
 """
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from .. import functional
 from ..kv_cache import PagedKVCache
 from ..reference import attention_reference
+from .roofline import cpu_cache_bytes
 from .timing import median_seconds
 
 # Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
@@ -116,33 +118,46 @@ def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, b
 
 def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH,
                  block_size=16) -> Case:
+    """One decode step of one layer. A model's step reads every layer's cache once, so on a CPU
+    the steps cycle through enough layers that their caches are twice the size of the CPU's
+    largest cache: each step reads its K/V from memory, as in a real model."""
     generator = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(device=device, dtype=dtype)
-            for _ in range(2))
-    q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
-    cache = PagedKVCache(1, batch * -(-context // block_size), block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    layer_bytes = 2 * batch * kv_heads * context * head_dim * dtype.itemsize
+    layers = -(-2 * cpu_cache_bytes() // layer_bytes) if device.type == "cpu" else 1
+    cache = PagedKVCache(layers, batch * -(-context // block_size), block_size, kv_heads, head_dim, dtype=dtype,
+                         device=device)
     seqs = [cache.allocate() for _ in range(batch)]
     prefill = cache.prepare(seqs, [context] * batch)
-    # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
-    functional.paged_kv_append(k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1),
-                               cache.key_caches[0], cache.value_caches[0], prefill.slot_mapping)
+    contiguous = []  # per layer: K, V   (B, Hkv, S, D)
+    for layer in range(layers):
+        k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(device=device, dtype=dtype)
+                for _ in range(2))
+        # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
+        functional.paged_kv_append(k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1),
+                                   cache.key_caches[layer], cache.value_caches[layer], prefill.slot_mapping)
+        contiguous.append((k, v))
+    q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q_packed = q[:, :, 0]  # (B, H, D)
     gqa = heads != kv_heads
 
-    steps = {"mha_ext": lambda: functional.paged_attention(
-        q_packed, cache.key_caches[0], cache.value_caches[0], prefill.block_tables, prefill.seq_lens, one_query_each)}
+    def rotating(step):  # each call runs step(layer) on the next layer
+        next_layer = itertools.cycle(range(layers))
+        return lambda: step(next(next_layer))
+
+    steps = {"mha_ext": rotating(lambda layer: functional.paged_attention(
+        q_packed, cache.key_caches[layer], cache.value_caches[layer], prefill.block_tables, prefill.seq_lens,
+        one_query_each))}
     for contender, backend in _torch_sdpa_contenders(device).items():
-        def torch_decode(backend=backend):
+        def torch_decode(layer, backend=backend):
             with _backend(backend):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        steps[contender] = torch_decode
-    steps["naive"] = lambda: attention_reference(q, k, v)
-    kv_bytes = 2 * k.numel() * k.element_size()
+                F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+        steps[contender] = rotating(torch_decode)
+    steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
     label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
     params = {"model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context": context,
-              "batch": batch, "dtype": dtype_name(dtype), "block_size": block_size}
-    return Case("paged_decode", label, params, kv_bytes, "GB/s", "stream_read", steps,
+              "batch": batch, "dtype": dtype_name(dtype), "block_size": block_size, "layers": layers}
+    return Case("paged_decode", label, params, layer_bytes, "GB/s", "stream_read", steps,
                 baseline=next(iter(_torch_sdpa_contenders(device))))
 
 
