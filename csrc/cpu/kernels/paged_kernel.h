@@ -90,12 +90,18 @@ constexpr int64_t kDirectRows = 4;
 template <int kRows, typename scalar_t, typename acc_t>
 void score_key(const acc_t* q, int64_t ld_q, const scalar_t* key, int64_t dim, acc_t* scores, int64_t ld_s) {
   using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t kWidth = Vec::size();
   Vec acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = Vec(acc_t(0));
-  for (int64_t d = 0; d < dim; d += Vec::size()) {
-    const int64_t width = std::min<int64_t>(Vec::size(), dim - d);
-    const Vec k = load_as<acc_t>(key + d, width);
-    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, width), k, acc[r]);
+  // Full vectors, then the ragged end: one loop over both kept the accumulators in memory.
+  int64_t d = 0;
+  for (; d + kWidth <= dim; d += kWidth) {
+    const Vec k = load_as<acc_t>(key + d, kWidth);
+    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d), k, acc[r]);
+  }
+  if (d < dim) {
+    const Vec k = load_as<acc_t>(key + d, dim - d);
+    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, dim - d), k, acc[r]);
   }
   for (int r = 0; r < kRows; ++r) scores[r * ld_s] = horizontal_sum(acc[r]);
 }
