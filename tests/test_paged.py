@@ -142,6 +142,15 @@ def test_paged_attention_dtypes(dtype):
     check_against_reference([5, 70, 129], [5, 1, 30], 4, 2, 40, 16, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_every_row_count_of_the_direct_path(dtype, head_dim):
+    # Chunks of 1..9 queries of one head each: tiles of 1 to 8 rows read K/V straight from
+    # the cache (one kernel per row count), 9 rows go through gathered tiles.
+    queries = list(range(1, 10))
+    check_against_reference([q + 70 for q in queries], queries, 2, 2, head_dim, 16, dtype)
+
+
 def test_long_context_split_across_threads():
     # One sequence and one kv head leave threads idle: the keys are split and merged by lse.
     check_against_reference([3000], [1], 4, 1, 64, 16)
