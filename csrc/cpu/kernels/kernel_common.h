@@ -61,12 +61,19 @@ T* thread_scratch(int64_t elements) {
 }
 
 // The first `count` elements from src (at most a vector's worth) as a vector of acc_t; lanes
-// past count are 0.
+// past count are 0. A full vector of bf16/fp16 converts straight from memory: through the
+// masked load instead, GCC stored the callers' accumulators to the stack on every iteration.
 template <typename acc_t, typename scalar_t>
 inline at::vec::Vectorized<acc_t> load_as(const scalar_t* src, int64_t count) {
+  using Vec = at::vec::Vectorized<acc_t>;
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return at::vec::Vectorized<acc_t>::loadu(src, count);
+    return Vec::loadu(src, count);
   } else {
+    if (count == Vec::size()) {
+      Vec full;
+      at::vec::load_to_float(src, full);
+      return full;
+    }
     return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src, count)));
   }
 }

@@ -94,7 +94,7 @@ void score_key(const acc_t* q, int64_t ld_q, const scalar_t* key, int64_t dim, a
   constexpr int64_t kWidth = Vec::size();
   Vec acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = Vec(acc_t(0));
-  // Full vectors, then the ragged end: one loop over both kept the accumulators in memory.
+  // Full vectors, then the ragged end: the main loop needs no masks.
   int64_t d = 0;
   for (; d + kWidth <= dim; d += kWidth) {
     const Vec k = load_as<acc_t>(key + d, kWidth);
