@@ -248,7 +248,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         }
         online_softmax_tile(s_tile, kBlockK, rows, cols, row_max, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
-          // O[r] += P[r, c] v_c, one cached value row at a time.
+          // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
             accumulate_values<kRows>(s_tile, kBlockK, v_rows, cols, p.head_dim_v, o_tile, ld_dv);
           });
