@@ -282,6 +282,46 @@ struct BackwardTask {
   }
 };
 
+// P = exp(score_scale * S - lse) in place over the rows of a tile whose scores are masked
+// (p_tile [rows, ld]); a row with lse -inf saw no key and gets P = 0. Both backward kernels
+// recompute P this way; the fp32 one passes score_scale 1 (its Q was scaled on load).
+template <typename acc_t>
+void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse, acc_t score_scale) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* s = p_tile + r * ld;
+    const acc_t row_lse = lse[r];
+    if (row_lse == -std::numeric_limits<acc_t>::infinity()) {
+      std::fill(s, s + cols, acc_t(0));
+      continue;
+    }
+    at::vec::map([&](Vec x) { return softmax_exp(at::vec::fmadd(x, Vec(score_scale), Vec(-row_lse))); }, s, s,
+                 cols);
+  }
+}
+
+// The probabilities dV sees: P itself, or with dropout a copy in pd_tile with the dropped
+// entries zeroed and the kept ones scaled.
+template <typename acc_t>
+const acc_t* dropped_probs(const acc_t* p_tile, acc_t* pd_tile, int64_t ld, int64_t rows, int64_t cols,
+                           const DropoutParams& dropout, int64_t batch, int64_t head, int64_t row0, int64_t key0) {
+  if (!dropout.enabled) return p_tile;
+  std::copy(p_tile, p_tile + rows * ld, pd_tile);
+  for (int64_t r = 0; r < rows; ++r) {
+    apply_dropout_row(pd_tile + r * ld, cols, dropout, batch, head, row0 + r, key0);
+  }
+  return pd_tile;
+}
+
+// One row of dS = P * (dP * dropout - delta), in place over dP.
+template <typename acc_t>
+void softmax_grad_row(acc_t* ds, const acc_t* p_row, int64_t cols, acc_t row_delta, const DropoutParams& dropout,
+                      int64_t batch, int64_t head, int64_t row, int64_t key0) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if (dropout.enabled) apply_dropout_row(ds, cols, dropout, batch, head, row, key0);
+  at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); }, ds, p_row, ds, cols);
+}
+
 // delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] - dlse[b, h, i]: the row term of
 // dS = P * (dP - delta), including the gradient that reaches the logsumexp output.
 template <typename scalar_t, typename acc_t>
@@ -313,7 +353,6 @@ template <typename scalar_t>
 void attention_backward_kernel(const AttentionBackwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   using Vec = at::vec::Vectorized<acc_t>;
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
@@ -377,24 +416,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, p_tile,
                              kBlockK);
             mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-            for (int64_t r = 0; r < rows; ++r) {
-              acc_t* s = p_tile + r * kBlockK;
-              const acc_t row_lse = lse[row0 + r];
-              if (row_lse == kMinusInf) {  // a fully masked row has P = 0
-                std::fill(s, s + cols, acc_t(0));
-                continue;
-              }
-              at::vec::map([row_lse](Vec x) { return softmax_exp(x - Vec(row_lse)); }, s, s, cols);
-            }
-            const acc_t* pd = p_tile;
-            if (p.dropout.enabled) {
-              std::copy(p_tile, p_tile + rows * kBlockK, pd_tile);
-              for (int64_t r = 0; r < rows; ++r) {
-                apply_dropout_row(pd_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r,
-                                  key0);
-              }
-              pd = pd_tile;
-            }
+            probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, acc_t(1));
+            const acc_t* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
             // dV += P_dropped^T dO   [cols, head_dim_v]
             tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kBlockK, do_tile, ld_dv, dv_tile,
                                   ld_dv);
@@ -403,13 +426,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                              kBlockK);
             // dS = P * (dP * dropout - delta)
             for (int64_t r = 0; r < rows; ++r) {
-              acc_t* ds = ds_tile + r * kBlockK;
-              if (p.dropout.enabled) {
-                apply_dropout_row(ds, cols, p.dropout, batch, head, row0 + r, key0);
-              }
-              const acc_t row_delta = delta[row0 + r];
-              at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); },
-                            ds, p_tile + r * kBlockK, ds, cols);
+              softmax_grad_row(ds_tile + r * kBlockK, p_tile + r * kBlockK, cols, delta[row0 + r], p.dropout,
+                               batch, head, row0 + r, key0);
             }
             // dK += dS^T (scale Q)   [cols, head_dim]
             tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kBlockK, q_tile, ld_d, dk_tile,
@@ -701,25 +719,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
               at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
             }
             mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-            const Vec score_scale(fold_scale ? scale : 1.f);
-            for (int64_t r = 0; r < rows; ++r) {
-              float* s = p_tile + r * kBlockK;
-              const float row_lse = lse[row0 + r];
-              if (row_lse == -std::numeric_limits<float>::infinity()) {  // a fully masked row has P = 0
-                std::fill(s, s + cols, 0.f);
-                continue;
-              }
-              at::vec::map([&](Vec x) { return softmax_exp(at::vec::fmadd(x, score_scale, Vec(-row_lse))); }, s, s,
-                           cols);
-            }
-            const float* pd = p_tile;
-            if (p.dropout.enabled) {
-              std::copy(p_tile, p_tile + rows * kBlockK, pd_tile);
-              for (int64_t r = 0; r < rows; ++r) {
-                apply_dropout_row(pd_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
-              }
-              pd = pd_tile;
-            }
+            probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, fold_scale ? scale : 1.f);
+            const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
             // dV += P_dropped^T dO   [cols, dv]
             transpose_to_bf16(pd, kBlockK, rows, cols, staging, pt_bf16, kBlockQ);
             at::native::cpublas::brgemm(cols, dv, even_rows, kBlockQ, dv, ld_dv, true, pt_bf16,
@@ -730,10 +731,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
             // dS = P * (dP * dropout - delta), then in bf16 as it is and transposed
             for (int64_t r = 0; r < rows; ++r) {
               float* ds = ds_tile + r * kBlockK;
-              if (p.dropout.enabled) apply_dropout_row(ds, cols, p.dropout, batch, head, row0 + r, key0);
-              const float row_delta = delta[row0 + r];
-              at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); }, ds,
-                            p_tile + r * kBlockK, ds, cols);
+              softmax_grad_row(ds, p_tile + r * kBlockK, cols, delta[row0 + r], p.dropout, batch, head, row0 + r, key0);
               round_to_bf16(ds, ds_bf16 + r * kBlockK, cols);
               if (cols < even_cols) ds_bf16[r * kBlockK + cols] = scalar_t(0.f);
             }
