@@ -6,6 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from mha_ext.bench import suites
+from mha_ext.bench.roofline import cpu_cache_bytes
 
 # Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
 pytestmark = pytest.mark.cpu_only
@@ -39,6 +43,11 @@ def test_bench_suites_write_json_and_tables(tmp_path):
         assert "mha_ext" in entry["results"] and entry["baseline"] in entry["results"]
         mha = entry["results"]["mha_ext"]
         assert mha["throughput"] > 0 and mha["roofline_fraction"] > 0 and mha["speedup_vs_baseline"] > 0
+    for entry in data["results"]:
+        if entry["suite"] == "paged_decode":  # steps cycle through layers twice the CPU cache's size
+            shape = entry["params"]
+            layer_bytes = 2 * shape["batch"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * 4
+            assert shape["layers"] >= 1 and shape["layers"] * layer_bytes >= 2 * cpu_cache_bytes()
     for title in ("attention forward (GFLOP/s)", "paged decode (K/V read per step) (GB/s)", "us per token at context 64"):
         assert title in result.stdout
     pytest.importorskip("matplotlib")
@@ -58,3 +67,22 @@ def test_call_overhead_script_times_every_small_shape():
                             capture_output=True, text=True, check=True)
     rows = [line for line in result.stdout.splitlines() if line.strip().startswith("(1,")]
     assert len(rows) == 3 and all(line.rstrip().endswith("x") for line in rows)
+
+
+@pytest.mark.parametrize("cache_bytes, layers", [(0, 1), (3 * 16384, 6), (3 * 16384 + 1, 7)])
+def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cache_bytes, layers):
+    # One layer of batch 2, 2 kv heads, context 16, head dim 32, fp32 K and V: 16 KiB. A CPU
+    # cache of unknown size (0) still gets one layer.
+    monkeypatch.setattr(suites, "cpu_cache_bytes", lambda: cache_bytes)
+    case = suites._decode_case("tiny", 4, 2, 32, 16, torch.float32, torch.device("cpu"), batch=2)
+    assert case.work == 16384 and case.params["layers"] == layers
+    for step in case.steps.values():
+        for _ in range(layers + 1):  # every layer, then the first again
+            step()
+    # mha_ext's steps read each layer's cache in turn.
+    key_caches = []
+    monkeypatch.setattr(suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache))
+    for _ in range(2 * layers):
+        case.steps["mha_ext"]()
+    pointers = [k_cache.data_ptr() for k_cache in key_caches]
+    assert len(set(pointers)) == layers and pointers[:layers] == pointers[layers:]

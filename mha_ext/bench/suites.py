@@ -123,7 +123,7 @@ def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, batch=
     largest cache: each step reads its K/V from memory, as in a real model."""
     generator = torch.Generator().manual_seed(0)
     layer_bytes = 2 * batch * kv_heads * context * head_dim * dtype.itemsize
-    layers = -(-2 * cpu_cache_bytes() // layer_bytes) if device.type == "cpu" else 1
+    layers = max(1, -(-2 * cpu_cache_bytes() // layer_bytes)) if device.type == "cpu" else 1  # 1 if unknown
     cache = PagedKVCache(layers, batch * -(-context // block_size), block_size, kv_heads, head_dim, dtype=dtype,
                          device=device)
     seqs = [cache.allocate() for _ in range(batch)]
