@@ -85,6 +85,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
     double dropout_p, double scale, int64_t window_left, int64_t window_right, bool bottom_right) {
+  // Without a gradient to record, skip building the graph node and its saved state: about
+  // 2 us of a decode step's 7 us at (1, 1, 1, 64).
+  const bool records_grad =
+      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (!records_grad) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right,
+                             bottom_right);
+  }
   const variable_list outputs = AttentionFunction::apply(q, k, v, attn_mask, dropout_seed, dropout_p,
                                                          scale, window_left, window_right, bottom_right);
   return {outputs[0], outputs[1]};

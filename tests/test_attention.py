@@ -181,6 +181,25 @@ def test_lse_gradient_flows():
         torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("needs_grad", ["none", "q", "k", "v"])
+def test_graph_is_recorded_only_when_an_input_needs_grad(needs_grad):
+    q, k, v = random_qkv(1, 4, 2, 9, 13, 16)
+    inputs = {"q": q, "k": k, "v": v}
+    if needs_grad != "none":
+        inputs[needs_grad].requires_grad_()
+    expected, _ = attention_reference(q.double(), k.double(), v.double())
+    out = mha_ext.attention(inputs["q"], inputs["k"], inputs["v"])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert out.requires_grad == (needs_grad != "none")
+    if needs_grad != "none":
+        out.sum().backward()
+        assert inputs[needs_grad].grad is not None and inputs[needs_grad].grad.abs().sum() > 0
+        with torch.no_grad():  # grad mode off: no graph even for inputs that need grad
+            assert mha_ext.attention(inputs["q"], inputs["k"], inputs["v"]).grad_fn is None
+    with torch.inference_mode():
+        torch.testing.assert_close(mha_ext.attention(q, k, v).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_fp64_lse_is_fp64():
     q, k, v = random_qkv(1, 2, 2, 5, 7, 16, dtype=torch.float64)
     _, lse = mha_ext.attention(q, k, v, return_lse=True)
