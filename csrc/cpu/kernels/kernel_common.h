@@ -172,6 +172,44 @@ acc_t horizontal_sum(const at::vec::Vectorized<acc_t>& v) {
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+// sums[i] = horizontal sum of v[i] for i < kCount. On AVX-512 in fp32 up to 8 vectors reduce
+// together through a tree of shuffles, 2 per sum where a vector's own reduction takes 4: the
+// shuffle port bounded decode's scores, a handful of dot products per cached key. Always
+// inlined: called out of line, the vectors went through the stack.
+template <int kCount, typename acc_t>
+C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCount], acc_t (&sums)[kCount]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float> && kCount > 1 && kCount <= 8) {
+    __m512 in[8];
+    for (int i = 0; i < 8; ++i) in[i] = i < kCount ? __m512(v[i]) : _mm512_setzero_ps();
+    // halves[j]: 8 partial sums of in[2j] in the low 256 bits, of in[2j + 1] in the high.
+    __m512 halves[4];
+    for (int j = 0; j < 4; ++j) {
+      halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(in[2 * j], in[2 * j + 1], 0x44),   // quarters 0, 1
+                                _mm512_shuffle_f32x4(in[2 * j], in[2 * j + 1], 0xEE));  // quarters 2, 3
+    }
+    // quarters[j]: 4 partial sums of in[4j + k] in 128-bit lane k.
+    __m512 quarters[2];
+    for (int j = 0; j < 2; ++j) {
+      quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),   // even quarters
+                                  _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));  // odd quarters
+    }
+    // Lane k of 128: 2 partial sums of in[k], then 2 of in[k + 4]; then whole sums in lanes
+    // 4k (in[k]) and 4k + 2 (in[k + 4]), gathered into lanes 0..7. A whole 256-bit store:
+    // masked stores of a few lanes stalled the loads that read them back.
+    const __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 totals = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    alignas(32) float all[8];
+    _mm256_store_ps(all, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, totals)));
+    for (int i = 0; i < kCount; ++i) sums[i] = all[i];
+    return;
+  }
+#endif
+  for (int i = 0; i < kCount; ++i) sums[i] = horizontal_sum(v[i]);
+}
+
 // One key tile's step of the online softmax of `rows` rows. On entry s_tile [rows, ld_s]
 // holds the tile's scores (-inf where hidden); on exit it holds exp(s - row_max). The
 // running max moves lazily: only when a tile's max exceeds it by more than kRescaleMargin

@@ -86,25 +86,66 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
 // 1.15-1.25x faster direct).
 constexpr int64_t kDirectRows = 8;
 
-// scores[r * ld_s] = q[r] . key for r < kRows: each vector of the cached key is loaded and
-// converted once for all rows.
-template <int kRows, typename scalar_t, typename acc_t>
-void score_key(const acc_t* q, int64_t ld_q, const scalar_t* key, int64_t dim, acc_t* scores, int64_t ld_s) {
+// Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
+// products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
+// accumulators and keys would not fit AVX2's 16 registers.
+template <int kRows>
+constexpr int kKeysPerStep =
+#if defined(CPU_CAPABILITY_AVX512)
+    kRows <= 8 ? 8 / kRows : 1;
+#else
+    1;
+#endif
+
+// scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
+// is loaded and converted once for all rows.
+template <int kRows, int kKeys, typename scalar_t, typename acc_t>
+C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim,
+                                  acc_t* scores, int64_t ld_s) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  Vec acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = Vec(acc_t(0));
+  Vec acc[kKeys * kRows];
+  for (Vec& a : acc) a = Vec(acc_t(0));
   // Full vectors, then the ragged end: the main loop needs no masks.
   int64_t d = 0;
   for (; d + kWidth <= dim; d += kWidth) {
-    const Vec k = load_as<acc_t>(key + d, kWidth);
-    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d), k, acc[r]);
+    for (int j = 0; j < kKeys; ++j) {
+      const Vec k = load_as<acc_t>(keys[j] + d, kWidth);
+      for (int r = 0; r < kRows; ++r) {
+        acc[j * kRows + r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d), k, acc[j * kRows + r]);
+      }
+    }
   }
   if (d < dim) {
-    const Vec k = load_as<acc_t>(key + d, dim - d);
-    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, dim - d), k, acc[r]);
+    for (int j = 0; j < kKeys; ++j) {
+      const Vec k = load_as<acc_t>(keys[j] + d, dim - d);
+      for (int r = 0; r < kRows; ++r) {
+        acc[j * kRows + r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, dim - d), k, acc[j * kRows + r]);
+      }
+    }
   }
-  for (int r = 0; r < kRows; ++r) scores[r * ld_s] = horizontal_sum(acc[r]);
+  acc_t sums[kKeys * kRows];
+  horizontal_sums(acc, sums);
+  for (int j = 0; j < kKeys; ++j) {
+    for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = sums[j * kRows + r];
+  }
+}
+
+// S[r, c] = q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows, ld_s]), the
+// keys read in place.
+template <int kRows, typename scalar_t, typename acc_t>
+void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, int64_t cols, int64_t dim,
+                acc_t* s_tile, int64_t ld_s) {
+  constexpr int kKeys = kKeysPerStep<kRows>;
+  int64_t c = 0;
+  for (; c + kKeys <= cols; c += kKeys) {
+    for (int j = 0; j < kKeys; ++j) keys.prefetch(c + j, dim);
+    score_keys<kRows, kKeys>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
+  }
+  for (; c < cols; ++c) {
+    keys.prefetch(c, dim);
+    score_keys<kRows, 1>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
+  }
 }
 
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
@@ -228,12 +269,9 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
                    v_rows.rows);
         if (direct) {
-          // S[:, c] = Q k_c, one cached key row at a time: no K^T tile to build.
+          // S = Q K^T from the cached key rows: no K^T tile to build.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            for (int64_t c = 0; c < cols; ++c) {
-              k_rows.prefetch(c, p.head_dim);
-              score_key<kRows>(q_tile, ld_d, k_rows.rows[c], p.head_dim, s_tile + c, kBlockK);
-            }
+            score_tile<kRows>(q_tile, ld_d, k_rows, cols, p.head_dim, s_tile, kBlockK);
           });
         } else {
           gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
