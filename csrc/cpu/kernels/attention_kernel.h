@@ -260,9 +260,12 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
 }
 
 // One backward task: (batch, kv head, split of the key blocks), the key blocks
-// [first_block, end_block) of that split, and its rows of K, V, dK and dV.
+// [first_block, end_block) of that split, and its kv head's rows of K, V, dK and dV.
+template <typename scalar_t>
 struct BackwardTask {
   int64_t batch, kv_head, split, first_block, end_block;
+  const scalar_t *k, *v;
+  scalar_t *grad_k, *grad_v;
 
   BackwardTask(const AttentionBackwardParams& p, int64_t task) {
     const int64_t splits = p.num_kv_splits, key_blocks = ceil_div(p.seq_k, kBlockK);
@@ -271,15 +274,14 @@ struct BackwardTask {
     split = task % splits;
     first_block = split * key_blocks / splits;
     end_block = (split + 1) * key_blocks / splits;
+    k = static_cast<const scalar_t*>(p.k) + offset(p.k_strides);
+    v = static_cast<const scalar_t*>(p.v) + offset(p.v_strides);
+    grad_k = static_cast<scalar_t*>(p.grad_k) + offset(p.grad_k_strides);
+    grad_v = static_cast<scalar_t*>(p.grad_v) + offset(p.grad_v_strides);
   }
-  template <typename scalar_t>
-  const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
-    return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
-  }
-  template <typename scalar_t>
-  scalar_t* grad_kv_rows(void* data, const RowStrides& strides) const {
-    return static_cast<scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
-  }
+
+ private:
+  int64_t offset(const RowStrides& strides) const { return batch * strides.batch + kv_head * strides.head; }
 };
 
 // P = exp(score_scale * S - lse) in place over the rows of a tile whose scores are masked
@@ -378,19 +380,15 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* staging = dv_tile + kBlockK * ld_dv;            // [kBlockK, head_dim_v]
 
     for (int64_t index = begin; index < end; ++index) {
-      const BackwardTask task(p, index);
+      const BackwardTask<scalar_t> task(p, index);
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
-      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
-      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
-      scalar_t* grad_k = task.grad_kv_rows<scalar_t>(p.grad_k, p.grad_k_strides);
-      scalar_t* grad_v = task.grad_kv_rows<scalar_t>(p.grad_v, p.grad_v_strides);
 
       for (int64_t block = task.first_block; block < task.end_block; ++block) {
         const int64_t key0 = block * kBlockK;
         const int64_t cols = std::min(kBlockK, p.seq_k - key0);
-        load_rows(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
+        load_rows(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
         transpose_tile(k_tile, ld_d, cols, p.head_dim, kt_tile, kBlockK);
-        load_rows_transposed(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v,
+        load_rows_transposed(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v,
                              vt_tile, kBlockK, staging);
         std::fill(dk_tile, dk_tile + cols * ld_d, acc_t(0));
         std::fill(dv_tile, dv_tile + cols * ld_dv, acc_t(0));
@@ -439,9 +437,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         }
         for (int64_t c = 0; c < cols; ++c) {
           store_row(dk_tile + c * ld_d, p.head_dim, acc_t(1),
-                    grad_k + (key0 + c) * p.grad_k_strides.row);
+                    task.grad_k + (key0 + c) * p.grad_k_strides.row);
           store_row(dv_tile + c * ld_dv, p.head_dim_v, acc_t(1),
-                    grad_v + (key0 + c) * p.grad_v_strides.row);
+                    task.grad_v + (key0 + c) * p.grad_v_strides.row);
         }
       }
     }
@@ -680,19 +678,15 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
     float* dv_tile = dk_tile + kBlockK * ld_d;           // [kBlockK, ld_dv]
 
     for (int64_t index = begin; index < end; ++index) {
-      const BackwardTask task(p, index);
+      const BackwardTask<scalar_t> task(p, index);
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
-      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
-      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
-      scalar_t* grad_k = task.grad_kv_rows<scalar_t>(p.grad_k, p.grad_k_strides);
-      scalar_t* grad_v = task.grad_kv_rows<scalar_t>(p.grad_v, p.grad_v_strides);
 
       for (int64_t block = task.first_block; block < task.end_block; ++block) {
         const int64_t key0 = block * kBlockK;
         const int64_t cols = std::min(kBlockK, p.seq_k - key0), even_cols = round_up(cols, 2);
-        pack_column_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);
-        pack_column_pairs(v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kBlockK);
-        pack_row_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
+        pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);
+        pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kBlockK);
+        pack_row_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
         std::fill(dk_tile, dk_tile + cols * ld_d, 0.f);
         std::fill(dv_tile, dv_tile + cols * ld_dv, 0.f);
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
@@ -745,8 +739,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
-          store_row(dk_tile + c * ld_d, d, scale, grad_k + (key0 + c) * p.grad_k_strides.row);
-          store_row(dv_tile + c * ld_dv, dv, 1.f, grad_v + (key0 + c) * p.grad_v_strides.row);
+          store_row(dk_tile + c * ld_d, d, scale, task.grad_k + (key0 + c) * p.grad_k_strides.row);
+          store_row(dv_tile + c * ld_dv, dv, 1.f, task.grad_v + (key0 + c) * p.grad_v_strides.row);
         }
       }
     }
