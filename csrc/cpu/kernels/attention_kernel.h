@@ -328,6 +328,7 @@ void softmax_grad_row(acc_t* ds, const acc_t* p_row, int64_t cols, acc_t row_del
 // dS = P * (dP - delta), including the gradient that reaches the logsumexp output.
 template <typename scalar_t, typename acc_t>
 void compute_delta(const AttentionBackwardParams& p) {
+  using Vec = at::vec::Vectorized<acc_t>;
   at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
@@ -341,10 +342,12 @@ void compute_delta(const AttentionBackwardParams& p) {
       for (int64_t i = 0; i < p.seq_q; ++i) {
         const scalar_t* o_row = out + i * p.out_strides.row;
         const scalar_t* do_row = grad_out + i * p.grad_out_strides.row;
-        acc_t dot = 0;
-        for (int64_t d = 0; d < p.head_dim_v; ++d) {
-          dot += static_cast<acc_t>(o_row[d]) * static_cast<acc_t>(do_row[d]);
+        Vec dot_vec(acc_t(0));
+        for (int64_t d = 0; d < p.head_dim_v; d += Vec::size()) {
+          const int64_t count = std::min<int64_t>(Vec::size(), p.head_dim_v - d);
+          dot_vec = at::vec::fmadd(load_as<acc_t>(o_row + d, count), load_as<acc_t>(do_row + d, count), dot_vec);
         }
+        const acc_t dot = horizontal_sum(dot_vec);
         delta[i] = grad_lse ? dot - grad_lse[i] : dot;
       }
     }
