@@ -66,12 +66,17 @@ struct BackwardTensors {
   std::optional<at::Tensor> grad_lse_rows;
 };
 
-// Allocates the backward's tensors and points params at them and at grad_out, out and lse;
-// params come from make_attention_params and passed check_backward_args.
+// Makes a zero-filled workspace that only lives during the op call: the backend decides
+// where its memory comes from.
+using ZeroWorkspaceFn = at::Tensor (*)(at::IntArrayRef shape, const at::TensorOptions& options);
+
+// Allocates the backward's tensors (the dQ partial sums through zero_workspace) and points
+// params at them and at grad_out, out and lse; params come from make_attention_params and
+// passed check_backward_args.
 BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                 const at::Tensor& lse, int64_t num_kv_splits);
+                                 const at::Tensor& lse, int64_t num_kv_splits, ZeroWorkspaceFn zero_workspace);
 
 // Checks the tensors only the backward takes against the forward's params.
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,

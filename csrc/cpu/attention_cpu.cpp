@@ -2,7 +2,10 @@
 // suits this CPU (cpu/isa.h, via MHA_EXT_RUN_CPU_KERNEL).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
+
+#include <array>
 
 #include "attention_checks.h"
 #include "cpu/kernels/kernels.h"
@@ -10,6 +13,29 @@
 
 namespace mha_ext::cpu {
 namespace {
+
+// The backward's workspaces, by the buffer each calling thread keeps for them.
+enum class Workspace : int { kGradQAccum, kCount };
+
+// A workspace tensor in the buffer the calling thread keeps for `slot`, grown when too small.
+// Memory touched for the first time is slow on these machines (a page fault per 4 KiB,
+// every call: torch frees CPU memory at once), and training calls the backward with the
+// same shapes every step. Over kMaxKeptBytes a workspace is allocated per
+// call instead, so that one very long sequence does not pin its memory. The tensor borrows
+// the buffer: it must not outlive the op call (none of the op's outputs is a workspace).
+at::Tensor kept_workspace(Workspace slot, at::IntArrayRef shape, const at::TensorOptions& options) {
+  constexpr int64_t kMaxKeptBytes = int64_t(1) << 30;
+  thread_local std::array<at::Tensor, static_cast<int>(Workspace::kCount)> buffers;  // bytes
+  const int64_t bytes = c10::multiply_integers(shape) * static_cast<int64_t>(options.dtype().itemsize());
+  if (bytes > kMaxKeptBytes) return at::empty(shape, options);
+  at::Tensor& buffer = buffers[static_cast<int>(slot)];
+  if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, options.dtype(at::kByte));
+  return at::from_blob(buffer.data_ptr(), shape, options);
+}
+
+at::Tensor zero_grad_q_accum(at::IntArrayRef shape, const at::TensorOptions& options) {
+  return kept_workspace(Workspace::kGradQAccum, shape, options).zero_();
+}
 
 uint64_t read_seed(const std::optional<at::Tensor>& dropout_seed) {
   return dropout_seed.has_value() ? static_cast<uint64_t>(dropout_seed->item<int64_t>()) : 0;
@@ -43,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const int64_t kv_tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
   const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
   const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
-  const BackwardTensors tensors = prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits);
+  const BackwardTensors tensors =
+      prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits, zero_grad_q_accum);
   params.dropout.seed = read_seed(dropout_seed);
   MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
   return {tensors.grad_q, tensors.grad_k, tensors.grad_v};
