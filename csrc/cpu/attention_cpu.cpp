@@ -15,7 +15,7 @@ namespace mha_ext::cpu {
 namespace {
 
 // The backward's workspaces, by the buffer each calling thread keeps for them.
-enum class Workspace : int { kGradQAccum, kCount };
+enum class Workspace : int { kGradQAccum, kTransposed, kCount };
 
 // A workspace tensor in the buffer the calling thread keeps for `slot`, grown when too small.
 // Memory touched for the first time is slow on these machines (a page fault per 4 KiB,
@@ -71,6 +71,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
   const BackwardTensors tensors =
       prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits, zero_grad_q_accum);
+  at::Tensor transposed;  // [batch, num_heads, query blocks, head_dim + head_dim_v, kQueryBlock]
+  if (q.scalar_type() == at::kBFloat16) {
+    const int64_t query_blocks = (params.seq_q + kQueryBlock - 1) / kQueryBlock;
+    transposed = kept_workspace(Workspace::kTransposed,
+                                {params.batch, params.num_heads, query_blocks, params.head_dim + params.head_dim_v,
+                                 kQueryBlock},
+                                q.options());
+    params.q_grad_out_transposed = transposed.data_ptr();
+  }
   params.dropout.seed = read_seed(dropout_seed);
   MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
   return {tensors.grad_q, tensors.grad_k, tensors.grad_v};

@@ -498,9 +498,11 @@ inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = 
                           even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
                           even_rows(p.v, p.v_strides);
   if (!backward) return forward_ok;
-  // The backward also transposes V as pairs of value dims and reads dO rows in place.
+  // The backward also transposes V as pairs of value dims, reads dO rows in place and writes
+  // Q^T and dO^T to the caller's workspace.
   const auto& b = static_cast<const AttentionBackwardParams&>(p);
-  return forward_ok && p.head_dim_v % 2 == 0 && even_rows(b.grad_out, b.grad_out_strides);
+  return forward_ok && p.head_dim_v % 2 == 0 && even_rows(b.grad_out, b.grad_out_strides) &&
+         b.q_grad_out_transposed != nullptr;
 }
 
 // B operand from rows: word (r / 2, c) of dst [ceil(rows / 2), ld] holds element c of rows r
@@ -631,54 +633,105 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   });
 }
 
-// dst [cols, ld] = src [rows, ld_src] transposed and rounded to bf16, through the fp32
-// staging tile [cols, kBlockQ]; a zero column pads an odd row count (the products that read
-// dst reduce over pairs of rows).
-inline void transpose_to_bf16(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float* staging,
-                              c10::BFloat16* dst, int64_t ld) {
-  transpose_tile(src, ld_src, rows, cols, staging, kBlockQ);
-  for (int64_t c = 0; c < cols; ++c) {
-    round_to_bf16(staging + c * kBlockQ, dst + c * ld, rows);
-    if (rows % 2) dst[c * ld + rows] = c10::BFloat16(0.f);
+// B operand from fp32 rows, rounded to bf16 (nearest even): word (r / 2, c) of dst
+// [ceil(rows / 2), ld] holds element c of rows r and r + 1 of src [rows, ld_src] (a zero row
+// pads an odd count). 16 words per step: both rows' vectors convert into one, and a word
+// shuffle interleaves them.
+__attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float* src, int64_t ld_src, int64_t rows,
+                                                                      int64_t cols, uint32_t* dst, int64_t ld) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* first = src + r * ld_src;
+    const float* second = first + ld_src;
+    const bool has_second = r + 1 < rows;
+    uint32_t* out = dst + r / 2 * ld;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 lanes = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
+      const __m512 low = _mm512_maskz_loadu_ps(lanes, first + c);
+      const __m512 high = has_second ? _mm512_maskz_loadu_ps(lanes, second + c) : _mm512_setzero_ps();
+      const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+      _mm512_mask_storeu_epi32(out + c, lanes, _mm512_permutexvar_epi16(interleave, halves));
+    }
   }
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols, in at::vec's 32 x 32 bf16
+// register blocks.
+inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t rows, int64_t cols, c10::BFloat16* dst,
+                           int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; r += 32) {
+    for (int64_t c = 0; c < cols; c += 32) {
+      at::vec::transpose_mxn<c10::BFloat16>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst,
+                                            static_cast<int>(std::min<int64_t>(32, rows - r)),
+                                            static_cast<int>(std::min<int64_t>(32, cols - c)));
+    }
+  }
+}
+
+// Fills p.q_grad_out_transposed: Q^T and dO^T of every query block, the columns past seq_q
+// zero (a block of odd length reads one as the pair of its last row).
+inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
+  using scalar_t = c10::BFloat16;
+  const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ), dims = p.head_dim + p.head_dim_v;
+  at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t batch = index / (p.num_heads * q_blocks), head = index / q_blocks % p.num_heads;
+      const int64_t row0 = index % q_blocks * kBlockQ, rows = std::min(kBlockQ, p.seq_q - row0);
+      scalar_t* q_t = static_cast<scalar_t*>(p.q_grad_out_transposed) + index * dims * kBlockQ;  // [head_dim, kBlockQ]
+      scalar_t* grad_out_t = q_t + p.head_dim * kBlockQ;  // [head_dim_v, kBlockQ]
+      transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
+                         row0 * p.q_strides.row,
+                     p.q_strides.row, rows, p.head_dim, q_t, kBlockQ);
+      transpose_bf16(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                         head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
+                     p.grad_out_strides.row, rows, p.head_dim_v, grad_out_t, kBlockQ);
+      for (int64_t d = 0; rows < kBlockQ && d < dims; ++d) {
+        std::fill(q_t + d * kBlockQ + rows, q_t + (d + 1) * kBlockQ, scalar_t(0.f));
+      }
+    }
+  });
 }
 
 // bf16 backward on brgemm, the same task layout and arithmetic as attention_backward_kernel
 // with bf16 operands and fp32 accumulation in all five products; P and dS are rounded to
-// bf16 for the products that take them, as GPU FlashAttention's backward does. Per key
-// block K^T, V^T and K are packed once (column pairs, column pairs, row pairs); per query
-// block Q and dO are packed as row pairs, and S and dP read q and dO rows in place.
+// bf16 for the products that take them, as GPU FlashAttention's backward does. The key
+// gradients accumulate transposed, dK^T += Q^T dS and dV^T += dO^T P, so the per-tile
+// operands are P and dS in row pairs (an interleave of two rows) rather than P^T and dS^T
+// (a transpose of the whole tile, which took a quarter of the backward); Q^T and dO^T are
+// written once per call by transpose_q_grad_out. Per key block K^T, V^T and K are packed
+// once (column pairs, column pairs, row pairs); S and dP read q and dO rows in place.
 inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
+  transpose_q_grad_out(p);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t ld_d = round_up(d, Vec::size()), ld_dv = round_up(dv, Vec::size());
   const int64_t tile = kBlockQ * kBlockK;
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * d;
-  // 32-bit words: packed K^T, V^T, K, Q, dO; fp32 P, dropped P, dP / dS, transpose staging;
-  // bf16 P^T, dS, dS^T (half a word each); fp32 dK and dV accumulators.
-  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + kBlockQ / 2 * d +
-                               kBlockQ / 2 * dv + 4 * tile + 3 * tile / 2 + kBlockK * ld_d + kBlockK * ld_dv;
+  // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS; bf16 P and dS in row
+  // pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
+  // staging of their transposes.
+  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * tile + 3 * tile / 2 +
+                               (d + dv) * kBlockK + kBlockK * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kBlockK]
     uint32_t* vt_pairs = kt_pairs + d / 2 * kBlockK;     // [dv / 2, kBlockK]
     uint32_t* k_pairs = vt_pairs + dv / 2 * kBlockK;     // [kBlockK / 2, d]
-    uint32_t* q_pairs = k_pairs + kBlockK / 2 * d;       // [kBlockQ / 2, d]
-    uint32_t* do_pairs = q_pairs + kBlockQ / 2 * d;      // [kBlockQ / 2, dv]
-    float* p_tile = reinterpret_cast<float*>(do_pairs + kBlockQ / 2 * dv);  // [kBlockQ, kBlockK] P
+    float* p_tile = reinterpret_cast<float*>(k_pairs + kBlockK / 2 * d);  // [kBlockQ, kBlockK] P
     float* pd_tile = p_tile + tile;                      // [kBlockQ, kBlockK] P after dropout
     float* ds_tile = pd_tile + tile;                     // [kBlockQ, kBlockK] dP, then dS
-    float* staging = ds_tile + tile;                     // [kBlockK, kBlockQ]
-    scalar_t* pt_bf16 = reinterpret_cast<scalar_t*>(staging + tile);  // [kBlockK, kBlockQ] P^T
-    scalar_t* ds_bf16 = pt_bf16 + tile;                  // [kBlockQ, kBlockK] dS
-    scalar_t* dst_bf16 = ds_bf16 + tile;                 // [kBlockK, kBlockQ] dS^T
-    float* dk_tile = reinterpret_cast<float*>(dst_bf16 + tile);  // [kBlockK, ld_d]
-    float* dv_tile = dk_tile + kBlockK * ld_d;           // [kBlockK, ld_dv]
+    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + tile);  // [kBlockQ / 2, kBlockK] dropped P
+    uint32_t* ds_pairs = p_pairs + tile / 2;             // [kBlockQ / 2, kBlockK] dS
+    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + tile / 2);  // [kBlockQ, kBlockK] dS
+    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + tile);  // [d, kBlockK]
+    float* dvt_tile = dkt_tile + d * kBlockK;            // [dv, kBlockK]
+    float* staging = dvt_tile + dv * kBlockK;            // [kBlockK, max(d, dv)]
 
     for (int64_t index = begin; index < end; ++index) {
       const BackwardTask<scalar_t> task(p, index);
@@ -690,8 +743,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
         pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);
         pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kBlockK);
         pack_row_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
-        std::fill(dk_tile, dk_tile + cols * ld_d, 0.f);
-        std::fill(dv_tile, dv_tile + cols * ld_dv, 0.f);
+        std::fill(dkt_tile, dkt_tile + (d + dv) * kBlockK, 0.f);  // and dvt_tile
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
 
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
@@ -699,14 +751,17 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
           const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
           float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + split * accum_split_stride + bh * p.seq_q * d;
-          for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
+          // Whole query blocks, the blocks of Q^T and dO^T: rows of the first block that see
+          // none of these keys get P = 0 and add nothing.
+          for (int64_t row0 = seeing.begin / kBlockQ * kBlockQ; row0 < seeing.end; row0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, seeing.end - row0), even_rows = round_up(rows, 2);
+            const scalar_t* q_t = static_cast<const scalar_t*>(p.q_grad_out_transposed) +
+                                  (bh * ceil_div(p.seq_q, kBlockQ) + row0 / kBlockQ) * (d + dv) * kBlockQ;  // [d, kBlockQ]
+            const scalar_t* grad_out_t = q_t + d * kBlockQ;  // [dv, kBlockQ]
             const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                                 head * p.q_strides.head + row0 * p.q_strides.row;
             const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                                        head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
-            pack_row_pairs(q, p.q_strides.row, rows, d, q_pairs, d);
-            pack_row_pairs(grad_out, p.grad_out_strides.row, rows, dv, do_pairs, dv);
 
             // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
             at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
@@ -718,32 +773,36 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
             mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
             probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, fold_scale ? scale : 1.f);
             const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
-            // dV += P_dropped^T dO   [cols, dv]
-            transpose_to_bf16(pd, kBlockK, rows, cols, staging, pt_bf16, kBlockQ);
-            at::native::cpublas::brgemm(cols, dv, even_rows, kBlockQ, dv, ld_dv, true, pt_bf16,
-                                        reinterpret_cast<const scalar_t*>(do_pairs), dv_tile, true);
+            // dV^T += dO^T P_dropped   [dv, cols]
+            round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
+            at::native::cpublas::brgemm(dv, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, grad_out_t,
+                                        reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
             // dP = dO V^T   [rows, cols]
             at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
                                         reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
-            // dS = P * (dP * dropout - delta), then in bf16 as it is and transposed
+            // dS = P * (dP * dropout - delta), then in bf16 as it is and in row pairs
             for (int64_t r = 0; r < rows; ++r) {
               float* ds = ds_tile + r * kBlockK;
               softmax_grad_row(ds, p_tile + r * kBlockK, cols, delta[row0 + r], p.dropout, batch, head, row0 + r, key0);
               round_to_bf16(ds, ds_bf16 + r * kBlockK, cols);
               if (cols < even_cols) ds_bf16[r * kBlockK + cols] = scalar_t(0.f);
             }
-            transpose_to_bf16(ds_tile, kBlockK, rows, cols, staging, dst_bf16, kBlockQ);
-            // dK += dS^T Q   [cols, d]  (scaled on the store)
-            at::native::cpublas::brgemm(cols, d, even_rows, kBlockQ, d, ld_d, true, dst_bf16,
-                                        reinterpret_cast<const scalar_t*>(q_pairs), dk_tile, true);
+            round_to_row_pairs(ds_tile, kBlockK, rows, cols, ds_pairs, kBlockK);
+            // dK^T += Q^T dS   [d, cols]  (scaled on the store)
+            at::native::cpublas::brgemm(d, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, q_t,
+                                        reinterpret_cast<const scalar_t*>(ds_pairs), dkt_tile, true);
             // dQ += dS K   [rows, d]  (scaled when the splits are summed)
             at::native::cpublas::brgemm(rows, d, even_cols, kBlockK, d, d, true, ds_bf16,
                                         reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + row0 * d, true);
           }
         }
+        transpose_tile(dkt_tile, kBlockK, d, cols, staging, d);
         for (int64_t c = 0; c < cols; ++c) {
-          store_row(dk_tile + c * ld_d, d, scale, task.grad_k + (key0 + c) * p.grad_k_strides.row);
-          store_row(dv_tile + c * ld_dv, dv, 1.f, task.grad_v + (key0 + c) * p.grad_v_strides.row);
+          store_row(staging + c * d, d, scale, task.grad_k + (key0 + c) * p.grad_k_strides.row);
+        }
+        transpose_tile(dvt_tile, kBlockK, dv, cols, staging, dv);
+        for (int64_t c = 0; c < cols; ++c) {
+          store_row(staging + c * dv, dv, 1.f, task.grad_v + (key0 + c) * p.grad_v_strides.row);
         }
       }
     }
