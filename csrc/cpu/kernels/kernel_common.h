@@ -83,13 +83,13 @@ inline at::vec::Vectorized<acc_t> load_as(const scalar_t* src, int64_t count) {
 template <typename scalar_t, typename acc_t>
 void load_rows(const scalar_t* src, int64_t src_stride, int64_t rows, int64_t cols, acc_t* dst,
                int64_t ld, acc_t factor = acc_t(1)) {
+  using Vec = at::vec::Vectorized<acc_t>;
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* in = src + r * src_stride;
     acc_t* out = dst + r * ld;
-    if (factor == acc_t(1)) {
-      for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<acc_t>(in[c]) * factor;
+    for (int64_t c = 0; c < cols; c += Vec::size()) {
+      const int64_t count = std::min<int64_t>(Vec::size(), cols - c);
+      (load_as<acc_t>(in + c, count) * Vec(factor)).store(out + c, count);
     }
   }
 }
@@ -119,7 +119,8 @@ void load_rows_transposed(const scalar_t* src, int64_t src_stride, int64_t rows,
 // dst[c] = src[c] * factor, converted to the output type.
 template <typename scalar_t, typename acc_t>
 void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
-  for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<scalar_t>(src[c] * factor);
+  using Vec = at::vec::Vectorized<acc_t>;
+  at::vec::map([factor](Vec x) { return x * Vec(factor); }, dst, src, cols);
 }
 
 // e^x for the softmax. On AVX-512 in fp32: x = n ln2 + r with n = round(x log2 e), e^r by
