@@ -16,6 +16,7 @@ namespace {
 
 struct Problem {
   at::Tensor q, k, v, out, lse;
+  at::Tensor kv_pairs;  // the bf16 forward's workspace (without it bf16 runs on the fp32 tiles)
   AttentionForwardParams params;  // pointing at the tensors above, outputs included
   double forward_flops;
 };
@@ -34,6 +35,8 @@ Problem make_problem(const benchmark::State& state) {
   p.out = at::empty_like(p.q);
   p.lse = at::empty({batch, heads, seq}, at::kFloat);
   set_forward_outputs(p.params, p.out, p.lse);
+  p.kv_pairs = at::empty({cpu::kv_pairs_size(p.params)}, p.q.options());
+  p.params.kv_pairs = p.kv_pairs.data_ptr();
   p.forward_flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
   return p;
 }
@@ -61,7 +64,11 @@ void attention_backward(benchmark::State& state) {
   static_cast<AttentionForwardParams&>(bwd) = p.params;
   at::Tensor grad_out = random(p.out.sizes(), state.range(5));
   const BackwardTensors tensors =
-      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1);
+      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1,
+                       [](at::IntArrayRef shape, const at::TensorOptions& options) { return at::zeros(shape, options); });
+  // The bf16 kernel's Q^T / dO^T workspace (without it bf16 would run on the fp32 tiles).
+  const at::Tensor transposed = at::empty({cpu::q_grad_out_transposed_size(bwd)}, p.q.options());
+  bwd.q_grad_out_transposed = transposed.data_ptr();
   for (auto _ : state) {
     state.PauseTiming();
     tensors.grad_q_accum.zero_();  // the kernel accumulates into it

@@ -14,13 +14,13 @@
 namespace mha_ext::cpu {
 namespace {
 
-// The backward's workspaces, by the buffer each calling thread keeps for them.
-enum class Workspace : int { kGradQAccum, kTransposed, kCount };
+// The ops' workspaces, by the buffer each calling thread keeps for them.
+enum class Workspace : int { kKvPairs, kGradQAccum, kTransposed, kCount };
 
 // A workspace tensor in the buffer the calling thread keeps for `slot`, grown when too small.
 // Memory touched for the first time is slow on these machines (a page fault per 4 KiB,
-// every call: torch frees CPU memory at once), and training calls the backward with the
-// same shapes every step. Over kMaxKeptBytes a workspace is allocated per
+// every call: torch frees CPU memory at once), and training and generation call the ops with
+// the same shapes step after step. Over kMaxKeptBytes a workspace is allocated per
 // call instead, so that one very long sequence does not pin its memory. The tensor borrows
 // the buffer: it must not outlive the op call (none of the op's outputs is a workspace).
 at::Tensor kept_workspace(Workspace slot, at::IntArrayRef shape, const at::TensorOptions& options) {
@@ -49,6 +49,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   AttentionForwardParams params = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
   auto [out, lse] = prepare_forward_outputs(params, q);
+  at::Tensor kv_pairs;  // read only by the bf16 kernel
+  if (q.scalar_type() == at::kBFloat16) {
+    kv_pairs = kept_workspace(Workspace::kKvPairs, {kv_pairs_size(params)}, q.options());
+    params.kv_pairs = kv_pairs.data_ptr();
+  }
   params.dropout.seed = read_seed(dropout_seed);
   MHA_EXT_RUN_CPU_KERNEL(attention_forward, params);
   return {out, lse};
@@ -71,13 +76,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
   const BackwardTensors tensors =
       prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits, zero_grad_q_accum);
-  at::Tensor transposed;  // [batch, num_heads, query blocks, head_dim + head_dim_v, kQueryBlock]
+  at::Tensor transposed;  // q_grad_out_transposed, read only by the bf16 kernel
   if (q.scalar_type() == at::kBFloat16) {
-    const int64_t query_blocks = (params.seq_q + kQueryBlock - 1) / kQueryBlock;
-    transposed = kept_workspace(Workspace::kTransposed,
-                                {params.batch, params.num_heads, query_blocks, params.head_dim + params.head_dim_v,
-                                 kQueryBlock},
-                                q.options());
+    transposed = kept_workspace(Workspace::kTransposed, {q_grad_out_transposed_size(params)}, q.options());
     params.q_grad_out_transposed = transposed.data_ptr();
   }
   params.dropout.seed = read_seed(dropout_seed);

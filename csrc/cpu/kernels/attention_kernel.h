@@ -497,7 +497,8 @@ inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = 
   const bool forward_ok = cpu_ok && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
                           even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
                           even_rows(p.v, p.v_strides);
-  if (!backward) return forward_ok;
+  // The forward packs K and V into the caller's workspace.
+  if (!backward) return forward_ok && p.kv_pairs != nullptr;
   // The backward also transposes V as pairs of value dims, reads dO rows in place and writes
   // Q^T and dO^T to the caller's workspace.
   const auto& b = static_cast<const AttentionBackwardParams&>(p);
@@ -543,48 +544,82 @@ __attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src
 // Keys per tile of the bf16 kernel. Each brgemm call has a fixed cost, which 128-key tiles
 // halve; measured at S = 1024, non-causal, they ran 1.2x faster than 64-key tiles at head_dim
 // 64 and no faster at head_dim 128, where causal attention ran 0.85x with them.
-inline int64_t bf16_key_tile(int64_t head_dim) { return head_dim <= 64 ? 128 : 64; }
+inline int64_t bf16_key_tile(int64_t head_dim) {
+  static_assert(kMaxBf16KeyTile == 128, "kv_pairs_size sizes the workspace for these tiles");
+  return head_dim <= 64 ? 128 : 64;
+}
+
+// Packs the tile of keys [key0, key0 + key_tile) of (batch, kv head) for brgemm: K^T pairs
+// [head_dim / 2, key_tile] (word (d / 2, c) = head dims d, d + 1 of key c), then V pairs
+// [key_tile / 2, head_dim_v] (word (c / 2, d) = dim d of keys c, c + 1).
+inline void pack_kv_tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head, int64_t key0,
+                         int64_t key_tile, uint32_t* dst) {
+  using scalar_t = c10::BFloat16;
+  const int64_t cols = std::min(key_tile, p.seq_k - key0);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head +
+                      key0 * p.k_strides.row;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head +
+                      key0 * p.v_strides.row;
+  pack_column_pairs(k, p.k_strides.row, cols, p.head_dim, dst, key_tile);
+  pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + p.head_dim / 2 * key_tile, p.head_dim_v);
+}
+
+// Fills p.kv_pairs with every (batch, kv head, key tile)'s pack_kv_tile, tile after tile.
+inline void pack_kv_tiles(const AttentionForwardParams& p, int64_t key_tile) {
+  const int64_t key_tiles = ceil_div(p.seq_k, key_tile);
+  const int64_t tile_words = p.head_dim / 2 * key_tile + key_tile / 2 * p.head_dim_v;
+  at::parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      pack_kv_tile(p, index / (p.num_kv_heads * key_tiles), index / key_tiles % p.num_kv_heads,
+                   index % key_tiles * key_tile, key_tile, static_cast<uint32_t*>(p.kv_pairs) + index * tile_words);
+    }
+  });
+}
 
 inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
   const int64_t key_tile = bf16_key_tile(p.head_dim);
   const ForwardPlan plan = plan_forward(p);
-  const int64_t pairs = p.head_dim / 2;  // 32-bit words per q / k row
+  // Where several tasks (chunks of query blocks) read each key tile, the tiles are packed
+  // once for all of them: packed per task, every chunk redid them (up to 16 times per tile
+  // at S 1024, 4-8% of the llama2-70b forward). A single chunk packs its tiles itself, which
+  // spares small calls a parallel region.
+  const bool prepacked = plan.chunks > 1;
+  if (prepacked) pack_kv_tiles(p, key_tile);
+  const int64_t key_tiles = ceil_div(p.seq_k, key_tile);
+  const int64_t kt_words = p.head_dim / 2 * key_tile, tile_words = kt_words + key_tile / 2 * p.head_dim_v;
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t sub_rows = plan.sub_blocks * kBlockQ;
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
-  // fp32 words: K^T pairs [pairs, key_tile], V pairs [key_tile / 2, head_dim_v], S [sub_rows,
-  // key_tile], P in bf16 [sub_rows, key_tile] (half the words), O accumulators [sub_rows, ld_dv],
-  // row max and sum [sub_rows] each.
-  const int64_t scratch_size = pairs * key_tile + key_tile / 2 * p.head_dim_v + sub_rows * key_tile +
-                               sub_rows * key_tile / 2 + sub_rows * ld_dv + 2 * sub_rows;
+  // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
+  // O accumulators [sub_rows, ld_dv], row max and sum [sub_rows] each, the task's own packed
+  // tile where not prepacked.
+  const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + 2 * sub_rows +
+                               (prepacked ? 0 : tile_words);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
-    float* scratch = thread_scratch<float>(scratch_size);
-    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(scratch);          // [pairs, key_tile]
-    uint32_t* v_pairs = kt_pairs + pairs * key_tile;                        // [key_tile / 2, head_dim_v]
-    float* s_tiles = reinterpret_cast<float*>(v_pairs + key_tile / 2 * p.head_dim_v);  // [sub_rows, key_tile]
-    scalar_t* p_tiles = reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);    // [sub_rows, key_tile]
-    float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);          // [sub_rows, ld_dv]
-    float* row_max = o_tiles + sub_rows * ld_dv;                                     // [sub_rows]
-    float* row_sum = row_max + sub_rows;                                             // [sub_rows]
+    float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
+    scalar_t* p_tiles = reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
+    float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
+    float* row_max = o_tiles + sub_rows * ld_dv;                                   // [sub_rows]
+    float* row_sum = row_max + sub_rows;                                           // [sub_rows]
+    uint32_t* own_tile = reinterpret_cast<uint32_t*>(row_sum + sub_rows);          // [tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
-      const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
-      const scalar_t* v = task.kv_rows<scalar_t>(p.v, p.v_strides);
+      const uint32_t* packed = static_cast<const uint32_t*>(p.kv_pairs) +
+                               (batch * p.num_kv_heads + task.kv_head) * key_tiles * tile_words;
       reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
 
       const int64_t key_end = task.key_end();
-      for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += key_tile) {
+      for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end; key0 += key_tile) {
         const int64_t cols = std::min(key_tile, p.seq_k - key0);
-        // K^T pairs: word (d / 2, c) = head dims d, d + 1 of key c.
-        pack_column_pairs(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, kt_pairs, key_tile);
-        // V pairs: word (c / 2, d) = dim d of keys c, c + 1.
-        pack_row_pairs(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_pairs, p.head_dim_v);
+        if (!prepacked) pack_kv_tile(p, batch, task.kv_head, key0, key_tile, own_tile);
+        const uint32_t* kt_pairs = prepacked ? packed + key0 / key_tile * tile_words : own_tile;  // [head_dim / 2, key_tile]
+        const uint32_t* v_pairs = kt_pairs + kt_words;  // [key_tile / 2, head_dim_v]
 
         // The sub-blocks' products go in two runs, all S = Q K^T and then all O += P V:
         // brgemm reconfigures the AMX tiles whenever consecutive calls change shape.

@@ -2,6 +2,8 @@
 // Tile sizes of the CPU attention kernels, also needed by the op layer to size workspaces.
 #include <cstdint>
 
+#include "mha_ext/attention_params.h"
+
 namespace mha_ext::cpu {
 
 // Rows of the query and key blocks that the kernels tile attention into. 64 x 64 tiles: at
@@ -10,5 +12,22 @@ namespace mha_ext::cpu {
 // converted to fp32 serves up to 8 x 64 query rows. 128-key tiles measured slower here.
 constexpr int64_t kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 64;
+
+// Most keys per tile of the bf16 forward (bf16_key_tile in attention_kernel.h).
+constexpr int64_t kMaxBf16KeyTile = 128;
+
+// Values of q's dtype in the bf16 forward's workspace AttentionForwardParams::kv_pairs: room
+// for every key tile's K and V of each (batch, kv head), in brgemm's pair layout.
+inline int64_t kv_pairs_size(const AttentionForwardParams& p) {
+  const int64_t keys = (p.seq_k + kMaxBf16KeyTile - 1) / kMaxBf16KeyTile * kMaxBf16KeyTile;
+  return p.batch * p.num_kv_heads * keys * (p.head_dim + p.head_dim_v);
+}
+
+// Values of q's dtype in the bf16 backward's workspace AttentionBackwardParams::
+// q_grad_out_transposed: [batch, num_heads, query blocks, head_dim + head_dim_v, kQueryBlock].
+inline int64_t q_grad_out_transposed_size(const AttentionForwardParams& p) {
+  const int64_t query_blocks = (p.seq_q + kQueryBlock - 1) / kQueryBlock;
+  return p.batch * p.num_heads * query_blocks * (p.head_dim + p.head_dim_v) * kQueryBlock;
+}
 
 }  // namespace mha_ext::cpu

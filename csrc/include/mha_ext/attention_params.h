@@ -60,6 +60,10 @@ struct AttentionForwardParams {
   // [batch, num_heads, seq_q] contiguous natural-log logsumexp of the scaled, masked
   // scores; float, or double for kFloat64. -inf for a row that sees no key.
   void* lse = nullptr;
+  // Workspace of the CPU bf16 forward, which packs every key tile's K and V there once per
+  // call for all its tasks: cpu::kv_pairs_size values of q's dtype (cpu/kernels/blocking.h).
+  // nullptr where no kernel uses it.
+  void* kv_pairs = nullptr;
 
   int64_t batch = 0;
   int64_t num_heads = 0;
