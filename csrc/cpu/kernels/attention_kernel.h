@@ -798,9 +798,15 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
             const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                                        head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
 
+            // The products run in an order that keeps consecutive calls the same shape where the
+            // head dims match (S and dP, then dV^T and dK^T): brgemm reloads the AMX tile
+            // configuration whenever the shape changes.
             // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
             at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
                                         reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
+            // dP = dO V^T   [rows, cols]
+            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
+                                        reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
             for (int64_t r = 0; !fold_scale && r < rows; ++r) {
               float* s = p_tile + r * kBlockK;
               at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
@@ -808,13 +814,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
             mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
             probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, fold_scale ? scale : 1.f);
             const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
-            // dV^T += dO^T P_dropped   [dv, cols]
             round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
-            at::native::cpublas::brgemm(dv, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, grad_out_t,
-                                        reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
-            // dP = dO V^T   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
-                                        reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
             // dS = P * (dP * dropout - delta), then in bf16 as it is and in row pairs
             for (int64_t r = 0; r < rows; ++r) {
               float* ds = ds_tile + r * kBlockK;
@@ -823,6 +823,9 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
               if (cols < even_cols) ds_bf16[r * kBlockK + cols] = scalar_t(0.f);
             }
             round_to_row_pairs(ds_tile, kBlockK, rows, cols, ds_pairs, kBlockK);
+            // dV^T += dO^T P_dropped   [dv, cols]
+            at::native::cpublas::brgemm(dv, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, grad_out_t,
+                                        reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
             // dK^T += Q^T dS   [d, cols]  (scaled on the store)
             at::native::cpublas::brgemm(d, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, q_t,
                                         reinterpret_cast<const scalar_t*>(ds_pairs), dkt_tile, true);
