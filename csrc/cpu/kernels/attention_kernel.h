@@ -549,29 +549,47 @@ inline int64_t bf16_key_tile(int64_t head_dim) {
   return head_dim <= 64 ? 128 : 64;
 }
 
-// Packs the tile of keys [key0, key0 + key_tile) of (batch, kv head) for brgemm: K^T pairs
-// [head_dim / 2, key_tile] (word (d / 2, c) = head dims d, d + 1 of key c), then V pairs
-// [key_tile / 2, head_dim_v] (word (c / 2, d) = dim d of keys c, c + 1).
-inline void pack_kv_tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head, int64_t key0,
-                         int64_t key_tile, uint32_t* dst) {
+// Layout of a packed key tile, and of p.kv_pairs, which holds one per (batch, kv head, key
+// tile) in that order: K^T pairs [head_dim / 2, key_tile] (word (d / 2, c) = head dims d,
+// d + 1 of key c), then V pairs [key_tile / 2, head_dim_v] (word (c / 2, d) = dim d of keys
+// c, c + 1).
+struct PackedKvTiles {
+  int64_t key_tile, key_tiles;  // keys per tile, tiles per (batch, kv head)
+  int64_t kt_words, tile_words;  // 32-bit words of a tile's K^T pairs, of the whole tile
+
+  PackedKvTiles(const AttentionForwardParams& p, int64_t keys_per_tile)
+      : key_tile(keys_per_tile),
+        key_tiles(ceil_div(p.seq_k, keys_per_tile)),
+        kt_words(p.head_dim / 2 * keys_per_tile),
+        tile_words(kt_words + keys_per_tile / 2 * p.head_dim_v) {}
+  // The tile of keys from key0 (a multiple of key_tile) of (batch, kv head) in p.kv_pairs.
+  uint32_t* tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head, int64_t key0) const {
+    const int64_t index = (batch * p.num_kv_heads + kv_head) * key_tiles + key0 / key_tile;
+    return static_cast<uint32_t*>(p.kv_pairs) + index * tile_words;
+  }
+};
+
+// Packs the tile of keys [key0, key0 + key_tile) of (batch, kv head) into dst (layout.tile_words).
+inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& layout, int64_t batch, int64_t kv_head,
+                         int64_t key0, uint32_t* dst) {
   using scalar_t = c10::BFloat16;
-  const int64_t cols = std::min(key_tile, p.seq_k - key0);
+  const int64_t cols = std::min(layout.key_tile, p.seq_k - key0);
   const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head +
                       key0 * p.k_strides.row;
   const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head +
                       key0 * p.v_strides.row;
-  pack_column_pairs(k, p.k_strides.row, cols, p.head_dim, dst, key_tile);
-  pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + p.head_dim / 2 * key_tile, p.head_dim_v);
+  pack_column_pairs(k, p.k_strides.row, cols, p.head_dim, dst, layout.key_tile);
+  pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + layout.kt_words, p.head_dim_v);
 }
 
-// Fills p.kv_pairs with every (batch, kv head, key tile)'s pack_kv_tile, tile after tile.
-inline void pack_kv_tiles(const AttentionForwardParams& p, int64_t key_tile) {
-  const int64_t key_tiles = ceil_div(p.seq_k, key_tile);
-  const int64_t tile_words = p.head_dim / 2 * key_tile + key_tile / 2 * p.head_dim_v;
+// Fills p.kv_pairs with every (batch, kv head, key tile)'s pack_kv_tile.
+inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& layout) {
+  const int64_t key_tiles = layout.key_tiles;
   at::parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      pack_kv_tile(p, index / (p.num_kv_heads * key_tiles), index / key_tiles % p.num_kv_heads,
-                   index % key_tiles * key_tile, key_tile, static_cast<uint32_t*>(p.kv_pairs) + index * tile_words);
+      const int64_t batch = index / (p.num_kv_heads * key_tiles), kv_head = index / key_tiles % p.num_kv_heads;
+      const int64_t key0 = index % key_tiles * layout.key_tile;
+      pack_kv_tile(p, layout, batch, kv_head, key0, layout.tile(p, batch, kv_head, key0));
     }
   });
 }
@@ -585,10 +603,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   // once for all of them: packed per task, every chunk redid them (up to 16 times per tile
   // at S 1024, 4-8% of the llama2-70b forward). A single chunk packs its tiles itself, which
   // spares small calls a parallel region.
+  const PackedKvTiles layout(p, key_tile);
   const bool prepacked = plan.chunks > 1;
-  if (prepacked) pack_kv_tiles(p, key_tile);
-  const int64_t key_tiles = ceil_div(p.seq_k, key_tile);
-  const int64_t kt_words = p.head_dim / 2 * key_tile, tile_words = kt_words + key_tile / 2 * p.head_dim_v;
+  if (prepacked) pack_kv_tiles(p, layout);
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t sub_rows = plan.sub_blocks * kBlockQ;
   const float scale = static_cast<float>(p.scale);
@@ -597,7 +614,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   // O accumulators [sub_rows, ld_dv], row max and sum [sub_rows] each, the task's own packed
   // tile where not prepacked.
   const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + 2 * sub_rows +
-                               (prepacked ? 0 : tile_words);
+                               (prepacked ? 0 : layout.tile_words);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
@@ -605,21 +622,20 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
     float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
     float* row_max = o_tiles + sub_rows * ld_dv;                                   // [sub_rows]
     float* row_sum = row_max + sub_rows;                                           // [sub_rows]
-    uint32_t* own_tile = reinterpret_cast<uint32_t*>(row_sum + sub_rows);          // [tile_words]
+    uint32_t* own_tile = reinterpret_cast<uint32_t*>(row_sum + sub_rows);          // [layout.tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
-      const uint32_t* packed = static_cast<const uint32_t*>(p.kv_pairs) +
-                               (batch * p.num_kv_heads + task.kv_head) * key_tiles * tile_words;
       reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
 
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end; key0 += key_tile) {
         const int64_t cols = std::min(key_tile, p.seq_k - key0);
-        if (!prepacked) pack_kv_tile(p, batch, task.kv_head, key0, key_tile, own_tile);
-        const uint32_t* kt_pairs = prepacked ? packed + key0 / key_tile * tile_words : own_tile;  // [head_dim / 2, key_tile]
-        const uint32_t* v_pairs = kt_pairs + kt_words;  // [key_tile / 2, head_dim_v]
+        if (!prepacked) pack_kv_tile(p, layout, batch, task.kv_head, key0, own_tile);
+        // [head_dim / 2, key_tile]
+        const uint32_t* kt_pairs = prepacked ? layout.tile(p, batch, task.kv_head, key0) : own_tile;
+        const uint32_t* v_pairs = kt_pairs + layout.kt_words;  // [key_tile / 2, head_dim_v]
 
         // The sub-blocks' products go in two runs, all S = Q K^T and then all O += P V:
         // brgemm reconfigures the AMX tiles whenever consecutive calls change shape.
@@ -705,6 +721,13 @@ inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t row
   }
 }
 
+// Q^T [head_dim, kBlockQ] of the query block starting at row0 (a multiple of kBlockQ) of
+// batch x head bh in p.q_grad_out_transposed; its dO^T [head_dim_v, kBlockQ] follows.
+inline c10::BFloat16* transposed_block(const AttentionBackwardParams& p, int64_t bh, int64_t row0) {
+  return static_cast<c10::BFloat16*>(p.q_grad_out_transposed) +
+         (bh * ceil_div(p.seq_q, kBlockQ) + row0 / kBlockQ) * (p.head_dim + p.head_dim_v) * kBlockQ;
+}
+
 // Fills p.q_grad_out_transposed: Q^T and dO^T of every query block, the columns past seq_q
 // zero (a block of odd length reads one as the pair of its last row).
 inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
@@ -712,9 +735,9 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
   const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ), dims = p.head_dim + p.head_dim_v;
   at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t batch = index / (p.num_heads * q_blocks), head = index / q_blocks % p.num_heads;
+      const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
       const int64_t row0 = index % q_blocks * kBlockQ, rows = std::min(kBlockQ, p.seq_q - row0);
-      scalar_t* q_t = static_cast<scalar_t*>(p.q_grad_out_transposed) + index * dims * kBlockQ;  // [head_dim, kBlockQ]
+      scalar_t* q_t = transposed_block(p, bh, row0);      // [head_dim, kBlockQ]
       scalar_t* grad_out_t = q_t + p.head_dim * kBlockQ;  // [head_dim_v, kBlockQ]
       transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
                          row0 * p.q_strides.row,
@@ -790,8 +813,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           // none of these keys get P = 0 and add nothing.
           for (int64_t row0 = seeing.begin / kBlockQ * kBlockQ; row0 < seeing.end; row0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, seeing.end - row0), even_rows = round_up(rows, 2);
-            const scalar_t* q_t = static_cast<const scalar_t*>(p.q_grad_out_transposed) +
-                                  (bh * ceil_div(p.seq_q, kBlockQ) + row0 / kBlockQ) * (d + dv) * kBlockQ;  // [d, kBlockQ]
+            const scalar_t* q_t = transposed_block(p, bh, row0);  // [d, kBlockQ]
             const scalar_t* grad_out_t = q_t + d * kBlockQ;  // [dv, kBlockQ]
             const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                                 head * p.q_strides.head + row0 * p.q_strides.row;
