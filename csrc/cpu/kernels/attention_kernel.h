@@ -166,13 +166,16 @@ struct ForwardTask {
   }
 };
 
-// Starts the online softmax of a task's sub-blocks: zero outputs and sums, max -inf.
+// Starts the online softmax of a task's sub-blocks: zero outputs and sums, max -inf. Only
+// the rows a sub-block has: a decode step's single query row would otherwise zero 64.
 template <typename acc_t>
 void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum) {
-  const int64_t rows = task.sub_blocks() * kBlockQ;
-  std::fill(o_tiles, o_tiles + rows * ld_dv, acc_t(0));
-  std::fill(row_max, row_max + rows, -std::numeric_limits<acc_t>::infinity());
-  std::fill(row_sum, row_sum + rows, acc_t(0));
+  for (int64_t i = 0; i < task.sub_blocks(); ++i) {
+    const int64_t first = i * kBlockQ, rows = task.rows(i);
+    std::fill(o_tiles + first * ld_dv, o_tiles + (first + rows) * ld_dv, acc_t(0));
+    std::fill(row_max + first, row_max + first + rows, -std::numeric_limits<acc_t>::infinity());
+    std::fill(row_sum + first, row_sum + first + rows, acc_t(0));
+  }
 }
 
 // Writes the task's normalised outputs and logsumexps.
