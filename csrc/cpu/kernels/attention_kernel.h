@@ -533,17 +533,6 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int6
                  reinterpret_cast<float*>(dst), ld);
 }
 
-// dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
-__attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src, c10::BFloat16* dst,
-                                                                int64_t n) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-    _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(pairs));
-  }
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
-}
-
 // Keys per tile of the bf16 kernel. Each brgemm call has a fixed cost, which 128-key tiles
 // halve; measured at S = 1024, non-causal, they ran 1.2x faster than 64-key tiles at head_dim
 // 64 and no faster at head_dim 128, where causal attention ran 0.85x with them.

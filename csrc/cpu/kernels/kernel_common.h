@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "blocking.h"
 #include "mha_ext/attention_params.h"
 
 namespace mha_ext::cpu {
@@ -271,6 +272,19 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
     row_sum[r] += horizontal_sum(sum_vec);
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
+__attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src, c10::BFloat16* dst,
+                                                                int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(pairs));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+#endif
 
 // Writes a finished row: out = o / sum, and returns its logsumexp. A row that saw no key has
 // sum 0: output 0 and logsumexp -inf, never NaN.
