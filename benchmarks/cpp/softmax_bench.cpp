@@ -1,0 +1,93 @@
+// The vector work the forward kernels do per score besides their two products: one
+// online-softmax step (max, fp32 exp, sum) over a 64-row score tile, and in the bf16 forward
+// the rounding of P to bf16, timed on one core. With the matmul roofline it bounds any
+// kernel that keeps the softmax in fp32: a forward of F flops over N scores on T cores takes
+// at least F / roofline + N * (ns per score) / T.
+//
+// The step overwrites the scores with P, and each iteration runs on what the last one left:
+// its vector passes take the same time whatever the values (no value-dependent branches
+// but the rare rescale; lanes far below the max are zeroed by a mask, not a slow path), and
+// refreshing the tile would time a copy too.
+//
+//   build/cmake/softmax_bench            (CPUs with AVX512-BF16 only: the whole program is
+//                                         compiled for them; prints ns_per_score)
+#include "bench_common.h"
+
+// The kernels' AVX-512 code, in the namespace kernels_avx512.cpp compiles it in (CMake
+// gives this target the matching -m flags).
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#include "cpu/kernels/kernel_common.h"
+
+#include <cmath>
+#include <random>
+
+namespace mha_ext::bench {
+namespace {
+
+using cpu::AVX512::kBlockQ;
+
+struct ScoreTile {
+  int64_t cols, head_dim_v;
+  std::vector<float> tile, out, row_max, row_sum;  // [kBlockQ, cols], [kBlockQ, head_dim_v], [kBlockQ] x 2
+  std::vector<c10::BFloat16> probs;                // [kBlockQ, cols]
+
+  ScoreTile(int64_t cols_, int64_t head_dim_v_)
+      : cols(cols_), head_dim_v(head_dim_v_), tile(kBlockQ * cols),
+        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f), probs(kBlockQ * cols) {
+    // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
+    // 1 after the softmax scale. The running max starts above them, so the lazy rescale
+    // stays as rare as in a long row.
+    std::mt19937 generator(0);
+    std::normal_distribution<float> score(0.f, std::sqrt(static_cast<float>(head_dim_v)));
+    for (float& s : tile) s = score(generator);
+    std::fill(row_max.begin(), row_max.end(), 4.f);
+  }
+};
+
+// One online-softmax step with the scale fused into the exp; with kRoundToBf16 also
+// P rounded to bf16, as the bf16 forward (attention_forward_bf16_brgemm) runs it per tile
+// between its two products. The fp32 kernels run the step alone.
+template <bool kRoundToBf16>
+void BM_SoftmaxTile(benchmark::State& state) {
+  ScoreTile t(state.range(0), state.range(1));
+  const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
+  for (auto _ : state) {
+    cpu::AVX512::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
+                                     t.out.data(), t.head_dim_v, t.head_dim_v, scale);
+    for (int64_t r = 0; kRoundToBf16 && r < kBlockQ; ++r) {
+      cpu::AVX512::round_to_bf16(t.tile.data() + r * t.cols, t.probs.data() + r * t.cols, t.cols);
+    }
+    benchmark::DoNotOptimize(t.tile.data());
+    benchmark::DoNotOptimize(t.probs.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["ns_per_score"] =
+      benchmark::Counter(state.iterations() * kBlockQ * t.cols, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+void register_all(const Options& options) {
+  // The kernels' tiles: 64 keys in the fp32 kernels (kKeyBlock) and, from bf16_key_tile, 128
+  // keys in the bf16 forward at head dim 64 and 64 at head dim 128.
+  struct Case {
+    const char* name;
+    void (*run)(benchmark::State&);
+    std::vector<std::vector<int64_t>> tiles;  // {keys, head_dim_v}
+  };
+  const std::vector<Case> cases = {
+      {"BM_SoftmaxTile/fp32", BM_SoftmaxTile<false>, {{64, 64}, {64, 128}}},
+      {"BM_SoftmaxTile/bf16", BM_SoftmaxTile<true>, {{128, 64}, {64, 128}}},
+  };
+  for (const Case& c : cases) {
+    for (const auto& tile : options.smoke ? std::vector<std::vector<int64_t>>{{16, 16}} : c.tiles) {
+      auto* bench = benchmark::RegisterBenchmark(c.name, c.run)->Args(tile)->ArgNames({"keys", "head_dim_v"});
+      if (options.smoke) bench->Iterations(1);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mha_ext::bench
+
+int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }
