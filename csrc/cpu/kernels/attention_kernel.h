@@ -676,15 +676,20 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   });
 }
 
+// Row pairs from two rows' bf16 values as VCVTNE2PS2BF16 leaves them (row r's 16 in the low
+// half, row r + 1's in the high): word c holds column c of row r and, above it, of row r + 1.
+inline __m512i interleave_row_halves(__m512i halves) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), halves);
+}
+
 // B operand from fp32 rows, rounded to bf16 (nearest even): word (r / 2, c) of dst
 // [ceil(rows / 2), ld] holds element c of rows r and r + 1 of src [rows, ld_src] (a zero row
 // pads an odd count). 16 words per step: both rows' vectors convert into one, and a word
 // shuffle interleaves them.
 __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float* src, int64_t ld_src, int64_t rows,
                                                                       int64_t cols, uint32_t* dst, int64_t ld) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t r = 0; r < rows; r += 2) {
     const float* first = src + r * ld_src;
     const float* second = first + ld_src;
@@ -695,7 +700,55 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
       const __m512 low = _mm512_maskz_loadu_ps(lanes, first + c);
       const __m512 high = has_second ? _mm512_maskz_loadu_ps(lanes, second + c) : _mm512_setzero_ps();
       const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-      _mm512_mask_storeu_epi32(out + c, lanes, _mm512_permutexvar_epi16(interleave, halves));
+      _mm512_mask_storeu_epi32(out + c, lanes, interleave_row_halves(halves));
+    }
+  }
+}
+
+// The bf16 backward's elementwise step over a tile, one pass per two rows: P = exp(score_scale
+// S - lse) over the masked scores in p_tile (P written back), dS = P * (dP - delta) from
+// dp_tile, and the bf16 operands the products take: P and dS in row pairs (p_pairs,
+// ds_pairs [ceil(rows / 2), ld], a zero row padding an odd count) and dS as it is (ds_bf16
+// [rows, ld], a zero column padding an odd count). The same arithmetic as probs_from_lse and
+// softmax_grad_row; one pass instead of five saves reloading P and dS four times.
+__attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
+    float* p_tile, const float* dp_tile, int64_t ld, int64_t rows, int64_t cols, const float* lse,
+    const float* delta, float score_scale, uint32_t* p_pairs, uint32_t* ds_pairs, c10::BFloat16* ds_bf16) {
+  const __m512 scale = _mm512_set1_ps(score_scale);
+  const int64_t even_cols = round_up(cols, 2);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const int64_t pair_rows = std::min<int64_t>(2, rows - r);
+    // exp(scale s + bias) with bias -lse, or -inf for a row that saw no key (lse -inf): P = 0.
+    __m512 bias[2], row_delta[2];
+    for (int64_t j = 0; j < 2; ++j) {
+      const bool saw_keys = j < pair_rows && lse[r + j] != -std::numeric_limits<float>::infinity();
+      bias[j] = _mm512_set1_ps(saw_keys ? -lse[r + j] : -std::numeric_limits<float>::infinity());
+      row_delta[j] = _mm512_set1_ps(j < pair_rows ? delta[r + j] : 0.f);
+    }
+    for (int64_t c = 0; c < even_cols; c += 16) {
+      const __mmask16 lanes = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
+      const __mmask16 even_lanes = even_cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (even_cols - c)) - 1);
+      __m512 probs[2], grads[2];
+      for (int64_t j = 0; j < 2; ++j) {
+        probs[j] = grads[j] = _mm512_setzero_ps();
+        if (j == pair_rows) continue;
+        float* p_row = p_tile + (r + j) * ld + c;
+        // Lanes past cols stay 0, so the pad column and the pairs' tails hold zeros.
+        probs[j] = _mm512_maskz_mov_ps(lanes, softmax_exp(at::vec::Vectorized<float>(_mm512_fmadd_ps(
+                                                  _mm512_maskz_loadu_ps(lanes, p_row), scale, bias[j]))));
+        _mm512_mask_storeu_ps(p_row, lanes, probs[j]);
+        const __m512 dp = _mm512_maskz_loadu_ps(lanes, dp_tile + (r + j) * ld + c);
+        grads[j] = _mm512_mul_ps(probs[j], _mm512_sub_ps(dp, row_delta[j]));
+      }
+      // One conversion per 32 values: the low half holds row r, the high half row r + 1.
+      const __m512i p_words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0]));
+      const __m512i ds_words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(grads[1], grads[0]));
+      _mm256_mask_storeu_epi16(ds_bf16 + r * ld + c, even_lanes, _mm512_castsi512_si256(ds_words));
+      if (pair_rows == 2) {
+        _mm256_mask_storeu_epi16(ds_bf16 + (r + 1) * ld + c, even_lanes, _mm512_extracti64x4_epi64(ds_words, 1));
+      }
+      _mm512_mask_storeu_epi32(p_pairs + r / 2 * ld + c, lanes, interleave_row_halves(p_words));
+      _mm512_mask_storeu_epi32(ds_pairs + r / 2 * ld + c, lanes, interleave_row_halves(ds_words));
     }
   }
 }
@@ -826,17 +879,18 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
               at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
             }
             mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-            probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, fold_scale ? scale : 1.f);
-            const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
-            round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
-            // dS = P * (dP * dropout - delta), then in bf16 as it is and in row pairs
-            for (int64_t r = 0; r < rows; ++r) {
-              float* ds = ds_tile + r * kBlockK;
-              softmax_grad_row(ds, p_tile + r * kBlockK, cols, delta[row0 + r], p.dropout, batch, head, row0 + r, key0);
-              round_to_bf16(ds, ds_bf16 + r * kBlockK, cols);
-              if (cols < even_cols) ds_bf16[r * kBlockK + cols] = scalar_t(0.f);
+            // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
+            for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
+              apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
             }
-            round_to_row_pairs(ds_tile, kBlockK, rows, cols, ds_pairs, kBlockK);
+            // P and dS = P * (dP - delta), in the layouts the products below take
+            probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + row0, delta + row0,
+                                  fold_scale ? scale : 1.f, p_pairs, ds_pairs, ds_bf16);
+            // dV sees the dropped probabilities: their pairs replace those of P.
+            if (p.dropout.enabled) {
+              const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
+              round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
+            }
             // dV^T += dO^T P_dropped   [dv, cols]
             at::native::cpublas::brgemm(dv, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, grad_out_t,
                                         reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
