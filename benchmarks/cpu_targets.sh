@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU performance targets' shapes, each suite against torch SDPA in one run, for the
-# README's results table and the performance issue's notes (about 15 minutes on 2 cores):
+# README's results table and the performance issue's notes (about 10 minutes on 2 cores):
 #   forward          gpt2-small (D 64) and llama2-70b (D 128), S 1024 and 4096, fp32 and bf16
 #   forward_backward the same models at S 1024
 #   gqa_prefill      32 query / 8 kv heads, D 128, S 2048
