@@ -706,11 +706,12 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
 }
 
 // The bf16 backward's elementwise step over a tile, one pass per two rows: P = exp(score_scale
-// S - lse) over the masked scores in p_tile (P written back), dS = P * (dP - delta) from
-// dp_tile, and the bf16 operands the products take: P and dS in row pairs (p_pairs,
-// ds_pairs [ceil(rows / 2), ld], a zero row padding an odd count) and dS as it is (ds_bf16
-// [rows, ld], a zero column padding an odd count). The same arithmetic as probs_from_lse and
-// softmax_grad_row; one pass instead of five saves reloading P and dS four times.
+// S - lse) over the masked scores in p_tile (P written back, for dropout's copy), dS =
+// P * (dP - delta) from dp_tile, and the bf16 operands the products take: P and dS in row
+// pairs (p_pairs, ds_pairs [ceil(rows / 2), ld], a zero row padding an odd count) and dS as
+// it is (ds_bf16 [rows, ld], a zero column padding an odd count). The same arithmetic as
+// probs_from_lse and softmax_grad_row; one pass instead of five saves reloading P and dS
+// four times.
 __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
     float* p_tile, const float* dp_tile, int64_t ld, int64_t rows, int64_t cols, const float* lse,
     const float* delta, float score_scale, uint32_t* p_pairs, uint32_t* ds_pairs, c10::BFloat16* ds_bf16) {
