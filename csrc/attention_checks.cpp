@@ -185,6 +185,10 @@ void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, 
   params.lse = const_cast<void*>(lse.data_ptr());
 }
 
+at::Tensor zeros_per_call(at::IntArrayRef shape, const at::TensorOptions& options) {
+  return at::zeros(shape, options);
+}
+
 BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,

@@ -70,6 +70,9 @@ struct BackwardTensors {
 // where its memory comes from.
 using ZeroWorkspaceFn = at::Tensor (*)(at::IntArrayRef shape, const at::TensorOptions& options);
 
+// A ZeroWorkspaceFn that allocates fresh zeros for every call (at::zeros).
+at::Tensor zeros_per_call(at::IntArrayRef shape, const at::TensorOptions& options);
+
 // Allocates the backward's tensors (the dQ partial sums through zero_workspace) and points
 // params at them and at grad_out, out and lse; params come from make_attention_params and
 // passed check_backward_args.

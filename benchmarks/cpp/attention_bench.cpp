@@ -64,8 +64,7 @@ void attention_backward(benchmark::State& state) {
   static_cast<AttentionForwardParams&>(bwd) = p.params;
   at::Tensor grad_out = random(p.out.sizes(), state.range(5));
   const BackwardTensors tensors =
-      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1,
-                       [](at::IntArrayRef shape, const at::TensorOptions& options) { return at::zeros(shape, options); });
+      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1, zeros_per_call);
   // The bf16 kernel's Q^T / dO^T workspace (without it bf16 would run on the fp32 tiles).
   const at::Tensor transposed = at::empty({cpu::q_grad_out_transposed_size(bwd)}, p.q.options());
   bwd.q_grad_out_transposed = transposed.data_ptr();

@@ -68,8 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_on(
   check_backward_args(params, grad_out, out, lse, grad_lse, q);
   // One dQ workspace: the key blocks add their parts with atomics.
   const BackwardTensors tensors =
-      prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, 1,
-                       [](at::IntArrayRef shape, const at::TensorOptions& options) { return at::zeros(shape, options); });
+      prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, 1, zeros_per_call);
   check_launch(launch_attention_backward(params, device_seed(params, dropout_seed), kernel_choice(), stream),
                kAttention);
   return {tensors.grad_q, tensors.grad_k, tensors.grad_v};

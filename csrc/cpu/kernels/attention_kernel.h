@@ -676,6 +676,11 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   });
 }
 
+// The lanes of a 16-float vector that hold the first `count` values (all 16 from 16 on).
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+
 // Row pairs from two rows' bf16 values as VCVTNE2PS2BF16 leaves them (row r's 16 in the low
 // half, row r + 1's in the high): word c holds column c of row r and, above it, of row r + 1.
 inline __m512i interleave_row_halves(__m512i halves) {
@@ -696,7 +701,7 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
     const bool has_second = r + 1 < rows;
     uint32_t* out = dst + r / 2 * ld;
     for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 lanes = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
+      const __mmask16 lanes = first_lanes(cols - c);
       const __m512 low = _mm512_maskz_loadu_ps(lanes, first + c);
       const __m512 high = has_second ? _mm512_maskz_loadu_ps(lanes, second + c) : _mm512_setzero_ps();
       const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
@@ -727,8 +732,8 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
       row_delta[j] = _mm512_set1_ps(j < pair_rows ? delta[r + j] : 0.f);
     }
     for (int64_t c = 0; c < even_cols; c += 16) {
-      const __mmask16 lanes = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
-      const __mmask16 even_lanes = even_cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (even_cols - c)) - 1);
+      const __mmask16 lanes = first_lanes(cols - c);
+      const __mmask16 even_lanes = first_lanes(even_cols - c);
       __m512 probs[2], grads[2];
       for (int64_t j = 0; j < 2; ++j) {
         probs[j] = grads[j] = _mm512_setzero_ps();
