@@ -20,6 +20,10 @@ def test_wrong_rank():
         mha_ext.attention(q[:, 0], k, v)
     with pytest.raises(ValueError, match=r"must all be 3-D .* or all 4-D .* got shapes \(2, 8, 5, 16\), \(2, 7, 16\)"):
         mha_ext.scaled_dot_product_attention(q, k[:, 0], v[:, 0])
+    with pytest.raises(ValueError, match=r"must all be 3-D .* or all 4-D .* got shapes \(2, 8, 5, 16\), \(2, 2, 7, 16\), \(2, 7, 16\)"):
+        mha_ext.scaled_dot_product_attention(q, k, v[:, 0], enable_gqa=True)
+    with pytest.raises(ValueError, match=r"must all be 3-D .* or all 4-D .* got shapes \(8, 5, 16\), \(7, 16\), \(7, 16\)"):
+        mha_ext.scaled_dot_product_attention(q[0], k[0, 0], v[0, 0])
 
 
 def test_mismatched_batch():
@@ -96,6 +100,8 @@ def test_mask_wrong_shape_and_dtype():
         mha_ext.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"attn_mask requires grad"):
         mha_ext.attention(q, k, v, attn_mask=torch.zeros(5, 7, requires_grad=True))
+    with pytest.raises(ValueError, match=r"mha_ext.scaled_dot_product_attention: attn_mask requires grad"):
+        mha_ext.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(5, 7, requires_grad=True), enable_gqa=True)
 
 
 @pytest.mark.parametrize("dropout_p", [-0.1, 1.0, 1.5])
