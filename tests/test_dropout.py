@@ -61,10 +61,11 @@ def test_manual_seed_makes_dropout_reproducible():
 @pytest.mark.parametrize("kwargs", [{}, {"causal": "bottom_right"}, {"window": (20, 3)}], ids=["plain", "causal", "window"])
 def test_forward_and_gradients_use_the_regenerated_mask(dtype, kwargs, device):
     dropout_p = 0.25
-    q, k, v = random_qkv(2, 8, 2, 77, 90, 48, dtype=dtype)
+    # 301 query rows: more than one chunk of the bf16 backward's dK / dV products (4 blocks).
+    q, k, v = random_qkv(2, 8, 2, 301, 90, 48, dtype=dtype)
     torch.manual_seed(11)
-    keep = mha_ext.dropout_mask(mha_ext.draw_dropout_seed(device), 2, 8, 77, 90, dropout_p)
-    grad_out = torch.randn(2, 8, 77, 48).to(dtype)
+    keep = mha_ext.dropout_mask(mha_ext.draw_dropout_seed(device), 2, 8, 301, 90, dropout_p)
+    grad_out = torch.randn(2, 8, 301, 48).to(dtype)
 
     def run(fn, tensors):
         leaves = [t.detach().clone().requires_grad_() for t in tensors]

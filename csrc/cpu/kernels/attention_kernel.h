@@ -772,36 +772,42 @@ inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t row
   }
 }
 
-// Q^T [head_dim, kBlockQ] of the query block starting at row0 (a multiple of kBlockQ) of
-// batch x head bh in p.q_grad_out_transposed; its dO^T [head_dim_v, kBlockQ] follows.
-inline c10::BFloat16* transposed_block(const AttentionBackwardParams& p, int64_t bh, int64_t row0) {
+// Q^T [head_dim, transposed_row_length] of batch x head bh in p.q_grad_out_transposed; its
+// dO^T [head_dim_v, transposed_row_length] follows.
+inline c10::BFloat16* transposed_rows(const AttentionBackwardParams& p, int64_t bh) {
   return static_cast<c10::BFloat16*>(p.q_grad_out_transposed) +
-         (bh * ceil_div(p.seq_q, kBlockQ) + row0 / kBlockQ) * (p.head_dim + p.head_dim_v) * kBlockQ;
+         bh * (p.head_dim + p.head_dim_v) * transposed_row_length(p.seq_q);
 }
 
 // Fills p.q_grad_out_transposed: Q^T and dO^T of every query block, the columns past seq_q
-// zero (a block of odd length reads one as the pair of its last row).
+// zero (a run of odd length reads one as the pair of its last row).
 inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
   using scalar_t = c10::BFloat16;
   const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ), dims = p.head_dim + p.head_dim_v;
+  const int64_t ld = transposed_row_length(p.seq_q);
   at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
       const int64_t row0 = index % q_blocks * kBlockQ, rows = std::min(kBlockQ, p.seq_q - row0);
-      scalar_t* q_t = transposed_block(p, bh, row0);      // [head_dim, kBlockQ]
-      scalar_t* grad_out_t = q_t + p.head_dim * kBlockQ;  // [head_dim_v, kBlockQ]
+      scalar_t* q_t = transposed_rows(p, bh) + row0;  // [head_dim, ld] from column row0
+      scalar_t* grad_out_t = q_t + p.head_dim * ld;   // [head_dim_v, ld] from column row0
       transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
                          row0 * p.q_strides.row,
-                     p.q_strides.row, rows, p.head_dim, q_t, kBlockQ);
+                     p.q_strides.row, rows, p.head_dim, q_t, ld);
       transpose_bf16(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                          head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
-                     p.grad_out_strides.row, rows, p.head_dim_v, grad_out_t, kBlockQ);
+                     p.grad_out_strides.row, rows, p.head_dim_v, grad_out_t, ld);
       for (int64_t d = 0; rows < kBlockQ && d < dims; ++d) {
-        std::fill(q_t + d * kBlockQ + rows, q_t + (d + 1) * kBlockQ, scalar_t(0.f));
+        std::fill(q_t + d * ld + rows, q_t + d * ld + kBlockQ, scalar_t(0.f));
       }
     }
   });
 }
+
+// Query blocks whose P and dS one dK^T and one dV^T product take. brgemm's accumulating
+// products load and store their fp32 result tiles on every call; over a single 64-row block
+// that traffic is as large as the products' own.
+constexpr int64_t kBackwardChunkBlocks = 4;
 
 // bf16 backward on brgemm, the same task layout and arithmetic as attention_backward_kernel
 // with bf16 operands and fp32 accumulation in all five products; P and dS are rounded to
@@ -809,8 +815,9 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
 // gradients accumulate transposed, dK^T += Q^T dS and dV^T += dO^T P, so the per-tile
 // operands are P and dS in row pairs (an interleave of two rows) rather than P^T and dS^T
 // (a transpose of the whole tile, which took a quarter of the backward); Q^T and dO^T are
-// written once per call by transpose_q_grad_out. Per key block K^T, V^T and K are packed
-// once (column pairs, column pairs, row pairs); S and dP read q and dO rows in place.
+// written once per call by transpose_q_grad_out, and those two products each take a chunk
+// of query blocks at once. Per key block K^T, V^T and K are packed once (column pairs,
+// column pairs, row pairs); S and dP read q and dO rows in place.
 inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
@@ -818,15 +825,16 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t tile = kBlockQ * kBlockK;
+  const int64_t tile = kBlockQ * kBlockK, chunk_rows = kBackwardChunkBlocks * kBlockQ;
+  const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * d;
-  // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS; bf16 P and dS in row
-  // pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
-  // staging of their transposes.
-  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * tile + 3 * tile / 2 +
-                               (d + dv) * kBlockK + kBlockK * std::max(d, dv);
+  // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of one block; bf16 P and dS
+  // in row pairs and dS as it is of a chunk (half a word each); fp32 dK^T and dV^T
+  // accumulators and the staging of their transposes.
+  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * tile +
+                               3 * chunk_rows * kBlockK / 2 + (d + dv) * kBlockK + kBlockK * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kBlockK]
@@ -835,10 +843,10 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
     float* p_tile = reinterpret_cast<float*>(k_pairs + kBlockK / 2 * d);  // [kBlockQ, kBlockK] P
     float* pd_tile = p_tile + tile;                      // [kBlockQ, kBlockK] P after dropout
     float* ds_tile = pd_tile + tile;                     // [kBlockQ, kBlockK] dP, then dS
-    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + tile);  // [kBlockQ / 2, kBlockK] dropped P
-    uint32_t* ds_pairs = p_pairs + tile / 2;             // [kBlockQ / 2, kBlockK] dS
-    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + tile / 2);  // [kBlockQ, kBlockK] dS
-    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + tile);  // [d, kBlockK]
+    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + tile);  // [chunk_rows / 2, kBlockK] dropped P
+    uint32_t* ds_pairs = p_pairs + chunk_rows / 2 * kBlockK;          // [chunk_rows / 2, kBlockK] dS
+    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_rows / 2 * kBlockK);  // [chunk_rows, kBlockK] dS
+    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_rows * kBlockK);  // [d, kBlockK]
     float* dvt_tile = dkt_tile + d * kBlockK;            // [dv, kBlockK]
     float* staging = dvt_tile + dv * kBlockK;            // [kBlockK, max(d, dv)]
 
@@ -860,52 +868,62 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
           const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
           float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + split * accum_split_stride + bh * p.seq_q * d;
+          const scalar_t* q_t = transposed_rows(p, bh);  // [d, ld_t]
+          const scalar_t* grad_out_t = q_t + d * ld_t;    // [dv, ld_t]
           // Whole query blocks, the blocks of Q^T and dO^T: rows of the first block that see
           // none of these keys get P = 0 and add nothing.
-          for (int64_t row0 = seeing.begin / kBlockQ * kBlockQ; row0 < seeing.end; row0 += kBlockQ) {
-            const int64_t rows = std::min(kBlockQ, seeing.end - row0), even_rows = round_up(rows, 2);
-            const scalar_t* q_t = transposed_block(p, bh, row0);  // [d, kBlockQ]
-            const scalar_t* grad_out_t = q_t + d * kBlockQ;  // [dv, kBlockQ]
-            const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
-                                head * p.q_strides.head + row0 * p.q_strides.row;
-            const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                                       head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
-
-            // The products run in an order that keeps consecutive calls the same shape where the
-            // head dims match (S and dP, then dV^T and dK^T): brgemm reloads the AMX tile
-            // configuration whenever the shape changes.
-            // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
-                                        reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
-            // dP = dO V^T   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
-                                        reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
-            for (int64_t r = 0; !fold_scale && r < rows; ++r) {
-              float* s = p_tile + r * kBlockK;
-              at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+          for (int64_t chunk0 = seeing.begin / kBlockQ * kBlockQ; chunk0 < seeing.end; chunk0 += chunk_rows) {
+            const int64_t chunk_end = std::min(chunk0 + chunk_rows, seeing.end);
+            // The products run in an order that keeps consecutive calls the same shape where
+            // the head dims match (S and dP of every block, then dQ of every block, then dV^T
+            // and dK^T): brgemm reloads the AMX tile configuration whenever the shape changes.
+            for (int64_t row0 = chunk0; row0 < chunk_end; row0 += kBlockQ) {
+              const int64_t rows = std::min(kBlockQ, chunk_end - row0), in_chunk = row0 - chunk0;
+              const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                                  head * p.q_strides.head + row0 * p.q_strides.row;
+              const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                                         head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
+              uint32_t* block_p_pairs = p_pairs + in_chunk / 2 * kBlockK;  // [kBlockQ / 2, kBlockK]
+              // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
+              at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
+                                          reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
+              // dP = dO V^T   [rows, cols]
+              at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
+                                          reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
+              for (int64_t r = 0; !fold_scale && r < rows; ++r) {
+                float* s = p_tile + r * kBlockK;
+                at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
+              }
+              mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
+              // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
+              for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
+                apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
+              }
+              // P and dS = P * (dP - delta), in the layouts the products below take
+              probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + row0, delta + row0,
+                                    fold_scale ? scale : 1.f, block_p_pairs, ds_pairs + in_chunk / 2 * kBlockK,
+                                    ds_bf16 + in_chunk * kBlockK);
+              // dV sees the dropped probabilities: their pairs replace those of P.
+              if (p.dropout.enabled) {
+                const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
+                round_to_row_pairs(pd, kBlockK, rows, cols, block_p_pairs, kBlockK);
+              }
             }
-            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-            // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
-            for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
-              apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
+            for (int64_t row0 = chunk0; row0 < chunk_end; row0 += kBlockQ) {
+              // dQ += dS K   [rows, d]  (scaled when the splits are summed)
+              at::native::cpublas::brgemm(std::min(kBlockQ, chunk_end - row0), d, even_cols, kBlockK, d, d, true,
+                                          ds_bf16 + (row0 - chunk0) * kBlockK,
+                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + row0 * d, true);
             }
-            // P and dS = P * (dP - delta), in the layouts the products below take
-            probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + row0, delta + row0,
-                                  fold_scale ? scale : 1.f, p_pairs, ds_pairs, ds_bf16);
-            // dV sees the dropped probabilities: their pairs replace those of P.
-            if (p.dropout.enabled) {
-              const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
-              round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
-            }
+            // Every block but the last is whole, so the chunk's rows are consecutive in the
+            // pairs; an odd count ends on a zero row.
+            const int64_t depth = round_up(chunk_end - chunk0, 2);
             // dV^T += dO^T P_dropped   [dv, cols]
-            at::native::cpublas::brgemm(dv, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, grad_out_t,
+            at::native::cpublas::brgemm(dv, cols, depth, ld_t, kBlockK, kBlockK, true, grad_out_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
             // dK^T += Q^T dS   [d, cols]  (scaled on the store)
-            at::native::cpublas::brgemm(d, cols, even_rows, kBlockQ, kBlockK, kBlockK, true, q_t,
+            at::native::cpublas::brgemm(d, cols, depth, ld_t, kBlockK, kBlockK, true, q_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(ds_pairs), dkt_tile, true);
-            // dQ += dS K   [rows, d]  (scaled when the splits are summed)
-            at::native::cpublas::brgemm(rows, d, even_cols, kBlockK, d, d, true, ds_bf16,
-                                        reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + row0 * d, true);
           }
         }
         transpose_tile(dkt_tile, kBlockK, d, cols, staging, d);

@@ -23,11 +23,17 @@ inline int64_t kv_pairs_size(const AttentionForwardParams& p) {
   return p.batch * p.num_kv_heads * keys * (p.head_dim + p.head_dim_v);
 }
 
+// Columns of each row of the bf16 backward's Q^T and dO^T: every query block, and 32 more so
+// that rows are not a multiple of 4 KiB apart (brgemm's 16-row tile loads from such rows all
+// fall in one L1 set).
+inline int64_t transposed_row_length(int64_t seq_q) {
+  return (seq_q + kQueryBlock - 1) / kQueryBlock * kQueryBlock + 32;
+}
+
 // Values of q's dtype in the bf16 backward's workspace AttentionBackwardParams::
-// q_grad_out_transposed: [batch, num_heads, query blocks, head_dim + head_dim_v, kQueryBlock].
+// q_grad_out_transposed: [batch, num_heads, head_dim + head_dim_v, transposed_row_length].
 inline int64_t q_grad_out_transposed_size(const AttentionForwardParams& p) {
-  const int64_t query_blocks = (p.seq_q + kQueryBlock - 1) / kQueryBlock;
-  return p.batch * p.num_heads * query_blocks * (p.head_dim + p.head_dim_v) * kQueryBlock;
+  return p.batch * p.num_heads * (p.head_dim + p.head_dim_v) * transposed_row_length(p.seq_q);
 }
 
 }  // namespace mha_ext::cpu
