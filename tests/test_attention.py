@@ -243,6 +243,20 @@ def test_large_tiles_many_blocks_causal(dtype):
     check_backward(q, k, v, {"causal": "bottom_right", "window": (100, 0)})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_scores_that_outgrow_the_running_max(dtype, causal):
+    # The forward's online softmax moves a row's max only when a key tile's scores exceed it
+    # by a margin, rescaling the sum and output then. Keys scaled up along the sequence give
+    # scores whose spread grows from ~0.5 to ~12 standard deviations, so later tiles keep
+    # overtaking the max of earlier ones.
+    q, k, v = random_qkv(1, 4, 2, 150, 300, 64, dtype=dtype)
+    k = (k.float() * torch.linspace(0.5, 12.0, 300)[:, None]).to(dtype)
+    kwargs = {} if causal is None else {"causal": causal}
+    check_forward(q, k, v, kwargs)
+    check_backward(q, k, v, kwargs)
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 2, 5, 0), (2, 4, 2, 0, 7), (0, 4, 2, 5, 7)], ids=["no_keys", "no_queries", "no_batch"])
 def test_empty_dimensions(shape):
     batch, heads, kv_heads, seq_q, seq_k = shape

@@ -1,13 +1,15 @@
 // The vector work the forward kernels do per score besides their two products: one
-// online-softmax step (max, fp32 exp, sum) over a 64-row score tile, and in the bf16 forward
-// the rounding of P to bf16, timed on one core. With the matmul roofline it bounds any
-// kernel that keeps the softmax in fp32: a forward of F flops over N scores on T cores takes
-// at least F / roofline + N * (ns per score) / T.
+// online-softmax step (max, fp32 exp, sum) over a 64-row score tile, in the fp32 kernels'
+// form (online_softmax_tile) and in the bf16 forward's (softmax_tile_to_probs, which also
+// rounds P to bf16), timed on one core. With the matmul roofline it bounds any kernel that
+// keeps the softmax in fp32: a forward of F flops over N scores on T cores takes at least
+// F / roofline + N * (ns per score) / T.
 //
-// The step overwrites the scores with P, and each iteration runs on what the last one left:
-// its vector passes take the same time whatever the values (no value-dependent branches
-// but the rare rescale; lanes far below the max are zeroed by a mask, not a slow path), and
-// refreshing the tile would time a copy too.
+// online_softmax_tile overwrites the scores with P, and each iteration runs on what the
+// last one left: its vector passes take the same time whatever the values (no
+// value-dependent branches but the rare rescale; lanes far below the max are zeroed by a
+// mask, not a slow path), and refreshing the tile would time a copy too.
+// softmax_tile_to_probs leaves the scores as they are.
 //
 //   build/cmake/softmax_bench            (CPUs with AVX512-BF16 only: the whole program is
 //                                         compiled for them; prints ns_per_score)
@@ -31,11 +33,15 @@ using cpu::AVX512::kBlockQ;
 struct ScoreTile {
   int64_t cols, head_dim_v;
   std::vector<float> tile, out, row_max, row_sum;  // [kBlockQ, cols], [kBlockQ, head_dim_v], [kBlockQ] x 2
-  std::vector<c10::BFloat16> probs;                // [kBlockQ, cols]
+  std::vector<float> row_sums;                     // [kBlockQ, kSumLanes]
+  int64_t ld_probs;                                // cols rounded up to 32, as softmax_tile_to_probs writes
+  std::vector<c10::BFloat16> probs;                // [kBlockQ, ld_probs]
 
   ScoreTile(int64_t cols_, int64_t head_dim_v_)
       : cols(cols_), head_dim_v(head_dim_v_), tile(kBlockQ * cols),
-        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f), probs(kBlockQ * cols) {
+        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f),
+        row_sums(kBlockQ * cpu::AVX512::kSumLanes, 1.f), ld_probs(cpu::AVX512::round_up(cols, 32)),
+        probs(kBlockQ * ld_probs) {
     // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
     // 1 after the softmax scale. The running max starts above them, so the lazy rescale
     // stays as rare as in a long row.
@@ -46,25 +52,36 @@ struct ScoreTile {
   }
 };
 
-// One online-softmax step with the scale fused into the exp; with kRoundToBf16 also
-// P rounded to bf16, as the bf16 forward (attention_forward_bf16_brgemm) runs it per tile
-// between its two products. The fp32 kernels run the step alone.
-template <bool kRoundToBf16>
-void BM_SoftmaxTile(benchmark::State& state) {
+void count_scores(benchmark::State& state, const ScoreTile& t) {
+  state.counters["ns_per_score"] =
+      benchmark::Counter(state.iterations() * kBlockQ * t.cols, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+// The fp32 kernels' step, with the scale fused into the exp.
+void BM_SoftmaxTileFp32(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
     cpu::AVX512::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
                                      t.out.data(), t.head_dim_v, t.head_dim_v, scale);
-    for (int64_t r = 0; kRoundToBf16 && r < kBlockQ; ++r) {
-      cpu::AVX512::round_to_bf16(t.tile.data() + r * t.cols, t.probs.data() + r * t.cols, t.cols);
-    }
     benchmark::DoNotOptimize(t.tile.data());
+    benchmark::ClobberMemory();
+  }
+  count_scores(state, t);
+}
+
+// The bf16 forward's step (attention_forward_bf16_brgemm), P rounded to bf16.
+void BM_SoftmaxTileBf16(benchmark::State& state) {
+  ScoreTile t(state.range(0), state.range(1));
+  const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
+  for (auto _ : state) {
+    cpu::AVX512::softmax_tile_to_probs(t.tile.data(), t.cols, kBlockQ, t.cols, scale, t.row_max.data(),
+                                       t.row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, t.probs.data(),
+                                       t.ld_probs);
     benchmark::DoNotOptimize(t.probs.data());
     benchmark::ClobberMemory();
   }
-  state.counters["ns_per_score"] =
-      benchmark::Counter(state.iterations() * kBlockQ * t.cols, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  count_scores(state, t);
 }
 
 void register_all(const Options& options) {
@@ -76,8 +93,8 @@ void register_all(const Options& options) {
     std::vector<std::vector<int64_t>> tiles;  // {keys, head_dim_v}
   };
   const std::vector<Case> cases = {
-      {"BM_SoftmaxTile/fp32", BM_SoftmaxTile<false>, {{64, 64}, {64, 128}}},
-      {"BM_SoftmaxTile/bf16", BM_SoftmaxTile<true>, {{128, 64}, {64, 128}}},
+      {"BM_SoftmaxTile/fp32", BM_SoftmaxTileFp32, {{64, 64}, {64, 128}}},
+      {"BM_SoftmaxTile/bf16", BM_SoftmaxTileBf16, {{128, 64}, {64, 128}}},
   };
   for (const Case& c : cases) {
     for (const auto& tile : options.smoke ? std::vector<std::vector<int64_t>>{{16, 16}} : c.tiles) {

@@ -167,21 +167,23 @@ struct ForwardTask {
 };
 
 // Starts the online softmax of a task's sub-blocks: zero outputs and sums, max -inf. Only
-// the rows a sub-block has: a decode step's single query row would otherwise zero 64.
+// the rows a sub-block has: a decode step's single query row would otherwise zero 64. Each
+// row has sum_lanes partial sums in row_sum.
 template <typename acc_t>
-void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum) {
+void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum,
+                int64_t sum_lanes = 1) {
   for (int64_t i = 0; i < task.sub_blocks(); ++i) {
     const int64_t first = i * kBlockQ, rows = task.rows(i);
     std::fill(o_tiles + first * ld_dv, o_tiles + (first + rows) * ld_dv, acc_t(0));
     std::fill(row_max + first, row_max + first + rows, -std::numeric_limits<acc_t>::infinity());
-    std::fill(row_sum + first, row_sum + first + rows, acc_t(0));
+    std::fill(row_sum + first * sum_lanes, row_sum + (first + rows) * sum_lanes, acc_t(0));
   }
 }
 
 // Writes the task's normalised outputs and logsumexps.
 template <typename scalar_t, typename acc_t>
 void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, const acc_t* row_max,
-                 const acc_t* row_sum) {
+                 const acc_t* row_sum, int64_t sum_lanes = 1) {
   const AttentionForwardParams& p = task.p;
   for (int64_t i = 0; i < task.sub_blocks(); ++i) {
     const int64_t head = task.head(i), row0 = task.row0(i);
@@ -190,8 +192,9 @@ void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, c
     acc_t* lse = static_cast<acc_t*>(p.lse) + (task.batch * p.num_heads + head) * p.seq_q + row0;
     for (int64_t r = 0; r < task.rows(i); ++r) {
       const int64_t row = i * kBlockQ + r;
-      lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row], row_sum[row],
-                          out + r * p.out_strides.row);
+      const acc_t* partial_sums = row_sum + row * sum_lanes;
+      const acc_t sum = std::accumulate(partial_sums, partial_sums + sum_lanes, acc_t(0));
+      lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row], sum, out + r * p.out_strides.row);
     }
   }
 }
@@ -603,23 +606,25 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
-  // O accumulators [sub_rows, ld_dv], row max and sum [sub_rows] each, the task's own packed
-  // tile where not prepacked.
-  const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + 2 * sub_rows +
-                               (prepacked ? 0 : layout.tile_words);
+  // O accumulators [sub_rows, ld_dv], row max [sub_rows], partial row sums [sub_rows,
+  // kSumLanes], fp32 P of one sub-block for dropout [kBlockQ, key_tile], the task's own
+  // packed tile where not prepacked.
+  const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + sub_rows +
+                               sub_rows * kSumLanes + kBlockQ * key_tile + (prepacked ? 0 : layout.tile_words);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
     scalar_t* p_tiles = reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
     float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
     float* row_max = o_tiles + sub_rows * ld_dv;                                   // [sub_rows]
-    float* row_sum = row_max + sub_rows;                                           // [sub_rows]
-    uint32_t* own_tile = reinterpret_cast<uint32_t*>(row_sum + sub_rows);          // [layout.tile_words]
+    float* row_sums = row_max + sub_rows;                                          // [sub_rows, kSumLanes]
+    float* dropout_probs = row_sums + sub_rows * kSumLanes;                        // [kBlockQ, key_tile]
+    uint32_t* own_tile = reinterpret_cast<uint32_t*>(dropout_probs + kBlockQ * key_tile);  // [layout.tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
-      reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
+      reset_rows(task, ld_dv, o_tiles, row_max, row_sums, kSumLanes);
 
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end; key0 += key_tile) {
@@ -651,14 +656,24 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
             at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols_i);
           }
           mask_scores_tile<scalar_t>(s_tile, key_tile, rows, cols_i, p, batch, head, row0, key0);
-          online_softmax_tile(s_tile, key_tile, rows, cols_i, row_max + i * kBlockQ, row_sum + i * kBlockQ,
-                              o_tiles + i * kBlockQ * ld_dv, ld_dv, p.head_dim_v, fold_scale ? scale : 1.f);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* s = s_tile + r * key_tile;
-            if (p.dropout.enabled) apply_dropout_row(s, cols_i, p.dropout, batch, head, row0 + r, key0);
-            scalar_t* p_row = p_tiles + (i * kBlockQ + r) * key_tile;
-            round_to_bf16(s, p_row, cols_i);
-            if (cols_i < even_cols_i) p_row[cols_i] = scalar_t(0.f);
+          // P [rows, key_tile] in bf16, zero past cols_i (the pad column included)
+          scalar_t* p_tile = p_tiles + i * kBlockQ * key_tile;
+          float* row_max_i = row_max + i * kBlockQ;
+          float* row_sums_i = row_sums + i * kBlockQ * kSumLanes;
+          float* o_tile = o_tiles + i * kBlockQ * ld_dv;
+          const float score_scale = fold_scale ? scale : 1.f;
+          if (!p.dropout.enabled) {
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_i, row_sums_i, o_tile, ld_dv,
+                                  p.head_dim_v, p_tile, key_tile);
+          } else {
+            // Dropout applies to fp32 P after the sums took it; then P rounds once.
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_i, row_sums_i, o_tile,
+                                  ld_dv, p.head_dim_v, dropout_probs, key_tile);
+            for (int64_t r = 0; r < rows; ++r) {
+              float* probs = dropout_probs + r * key_tile;
+              apply_dropout_row(probs, cols_i, p.dropout, batch, head, row0 + r, key0);
+              round_to_bf16(probs, p_tile + r * key_tile, even_cols_i);
+            }
           }
         }
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
@@ -670,15 +685,10 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
         }
       }
 
-      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sum);
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sums, kSumLanes);
     }
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
   });
-}
-
-// The lanes of a 16-float vector that hold the first `count` values (all 16 from 16 on).
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
 }
 
 // Row pairs from two rows' bf16 values as VCVTNE2PS2BF16 leaves them (row r's 16 in the low
