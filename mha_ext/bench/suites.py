@@ -92,11 +92,14 @@ def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, b
     grad_out = torch.randn(shapes[0], generator=generator).to(device=device, dtype=dtype)
     gqa = heads != kv_heads
 
+    # Gradients as a layer's backward produces them: in a model q, k and v are activations,
+    # so nothing adds them into .grad buffers (an elementwise pass over q, k and v per step
+    # that is no part of either contender's attention).
     def step_of(attend):
         def step():
             out = attend()
             if backward:
-                out.backward(grad_out)
+                torch.autograd.grad(out, (q, k, v), grad_out)
         return step
 
     steps = {"mha_ext": step_of(lambda: functional.scaled_dot_product_attention(
