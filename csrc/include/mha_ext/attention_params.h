@@ -98,10 +98,10 @@ struct AttentionBackwardParams : AttentionForwardParams {
   int64_t num_kv_splits = 1;
   // rowsum(grad_out * out) - grad_lse, written by the kernel: [batch, num_heads, seq_q].
   void* delta = nullptr;
-  // Q and dO of each query block (kQueryBlock rows, cpu/kernels/blocking.h) with rows as
-  // columns, written by the CPU bf16 kernel, whose products dK^T = Q^T dS and dV^T = dO^T P
-  // read them: [batch, num_heads, query blocks, head_dim + head_dim_v, kQueryBlock] in q's
-  // dtype, Q^T above dO^T. nullptr where no kernel uses it.
+  // Q and dO with rows as columns, written by the CPU bf16 kernel, whose products
+  // dK^T = Q^T dS and dV^T = dO^T P read them: [batch, num_heads, head_dim + head_dim_v,
+  // transposed_row_length(seq_q)] (cpu/kernels/blocking.h) in q's dtype, Q^T above dO^T.
+  // nullptr where no kernel uses it.
   void* q_grad_out_transposed = nullptr;
 };
 
