@@ -192,13 +192,13 @@ at::Tensor zeros_per_call(at::IntArrayRef shape, const at::TensorOptions& option
 BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                 const at::Tensor& lse, int64_t num_kv_splits, ZeroWorkspaceFn zero_workspace) {
+                                 const at::Tensor& lse, int64_t num_kv_splits, WorkspaceFn make_workspace) {
   const at::TensorOptions acc_options = q.options().dtype(accumulate_dtype(q.scalar_type()));
   BackwardTensors t;
   t.grad_q = at::empty_like(q);
   t.grad_k = at::empty_like(k);
   t.grad_v = at::empty_like(v);
-  t.grad_q_accum = zero_workspace({num_kv_splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
+  t.grad_q_accum = make_workspace({num_kv_splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
                                   acc_options);
   t.delta = at::empty({params.batch, params.num_heads, params.seq_q}, acc_options);
   t.lse_rows = lse.contiguous();

@@ -55,10 +55,10 @@ std::tuple<at::Tensor, at::Tensor> prepare_forward_outputs(AttentionForwardParam
 // them through the same fields.
 void set_forward_outputs(AttentionForwardParams& params, const at::Tensor& out, const at::Tensor& lse);
 
-// The backward's outputs and workspaces: grad_q/k/v shaped and strided like q/k/v, the
-// zero-filled dQ partial sums [num_kv_splits, batch, heads, seq_q, head_dim] and delta
-// [batch, heads, seq_q] in the accumulation type, and lse / grad_lse as contiguous rows
-// (the kernels index them directly; they are O(seq), so a copy is cheap).
+// The backward's outputs and workspaces: grad_q/k/v shaped and strided like q/k/v, the dQ
+// partial sums [num_kv_splits, batch, heads, seq_q, head_dim] and delta [batch, heads,
+// seq_q] in the accumulation type, and lse / grad_lse as contiguous rows (the kernels index
+// them directly; they are O(seq), so a copy is cheap).
 struct BackwardTensors {
   at::Tensor grad_q, grad_k, grad_v;
   at::Tensor grad_q_accum, delta;
@@ -66,20 +66,21 @@ struct BackwardTensors {
   std::optional<at::Tensor> grad_lse_rows;
 };
 
-// Makes a zero-filled workspace that only lives during the op call: the backend decides
-// where its memory comes from.
-using ZeroWorkspaceFn = at::Tensor (*)(at::IntArrayRef shape, const at::TensorOptions& options);
+// Makes the dQ workspace, which only lives during the op call: the backend decides where
+// its memory comes from and whether it starts zero-filled (the CUDA kernel adds into it; the
+// CPU kernels write each element before they add to it).
+using WorkspaceFn = at::Tensor (*)(at::IntArrayRef shape, const at::TensorOptions& options);
 
-// A ZeroWorkspaceFn that allocates fresh zeros for every call (at::zeros).
+// A WorkspaceFn that allocates fresh zeros for every call (at::zeros).
 at::Tensor zeros_per_call(at::IntArrayRef shape, const at::TensorOptions& options);
 
-// Allocates the backward's tensors (the dQ partial sums through zero_workspace) and points
+// Allocates the backward's tensors (the dQ partial sums through make_workspace) and points
 // params at them and at grad_out, out and lse; params come from make_attention_params and
 // passed check_backward_args.
 BackwardTensors prepare_backward(AttentionBackwardParams& params, const at::Tensor& grad_out,
                                  const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                 const at::Tensor& lse, int64_t num_kv_splits, ZeroWorkspaceFn zero_workspace);
+                                 const at::Tensor& lse, int64_t num_kv_splits, WorkspaceFn make_workspace);
 
 // Checks the tensors only the backward takes against the forward's params.
 void check_backward_args(const AttentionForwardParams& params, const at::Tensor& grad_out,

@@ -308,14 +308,18 @@ def test_results_do_not_depend_on_the_thread_count(threads):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_backward_does_not_depend_on_earlier_calls(dtype):
+@pytest.mark.parametrize("kv_heads, kwargs", [(2, {"causal": "bottom_right"}), (1, {"window": (20, 0)})],
+                         ids=["causal", "window_one_kv_head"])
+def test_backward_does_not_depend_on_earlier_calls(dtype, kv_heads, kwargs):
     # The CPU backward keeps its workspaces (dQ partial sums, bf16's Q^T and dO^T) between
-    # calls: a call after a larger one, whose data is still in them, must give the same
-    # gradients bit for bit, including the zero padding of a ragged last query block.
+    # calls, uncleared: a call after a larger one, whose data is still in them, must give the
+    # same gradients bit for bit, including the zero padding of a ragged last query block.
+    # With one kv head the key range splits across threads, and a window leaves each split
+    # query rows that none of its keys reach, whose partial dQ sums the kernels must zero.
     def grads(seq_q, seq_k):
-        q, k, v = random_qkv(1, 4, 2, seq_q, seq_k, 64, dtype=dtype)
+        q, k, v = random_qkv(1, 4, kv_heads, seq_q, seq_k, 64, dtype=dtype)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = mha_ext.attention(*leaves, causal="bottom_right")
+        out = mha_ext.attention(*leaves, **kwargs)
         out.backward(torch.randn(out.shape, generator=seeded_generator(5)).to(dtype))
         return [leaf.grad for leaf in leaves]
 

@@ -69,9 +69,6 @@ void attention_backward(benchmark::State& state) {
   const at::Tensor transposed = at::empty({cpu::q_grad_out_transposed_size(bwd)}, p.q.options());
   bwd.q_grad_out_transposed = transposed.data_ptr();
   for (auto _ : state) {
-    state.PauseTiming();
-    tensors.grad_q_accum.zero_();  // the kernel accumulates into it
-    state.ResumeTiming();
     MHA_EXT_RUN_CPU_KERNEL(attention_backward, bwd);
     benchmark::DoNotOptimize(tensors.grad_q.data_ptr());
   }

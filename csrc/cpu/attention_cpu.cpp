@@ -33,8 +33,9 @@ at::Tensor kept_workspace(Workspace slot, at::IntArrayRef shape, const at::Tenso
   return at::from_blob(buffer.data_ptr(), shape, options);
 }
 
-at::Tensor zero_grad_q_accum(at::IntArrayRef shape, const at::TensorOptions& options) {
-  return kept_workspace(Workspace::kGradQAccum, shape, options).zero_();
+// The dQ workspace, uncleared: the kernels clear what they do not overwrite.
+at::Tensor grad_q_workspace(at::IntArrayRef shape, const at::TensorOptions& options) {
+  return kept_workspace(Workspace::kGradQAccum, shape, options);
 }
 
 uint64_t read_seed(const std::optional<at::Tensor>& dropout_seed) {
@@ -75,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
   const int64_t splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
   const BackwardTensors tensors =
-      prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits, zero_grad_q_accum);
+      prepare_backward(params, grad_out, grad_lse, q, k, v, out, lse, splits, grad_q_workspace);
   at::Tensor transposed;  // q_grad_out_transposed, read only by the bf16 kernel
   if (q.scalar_type() == at::kBFloat16) {
     transposed = kept_workspace(Workspace::kTransposed, {q_grad_out_transposed_size(params)}, q.options());

@@ -92,8 +92,9 @@ struct AttentionBackwardParams : AttentionForwardParams {
   RowStrides grad_out_strides, grad_q_strides, grad_k_strides, grad_v_strides;
 
   // Workspaces in the accumulation type, owned by the caller.
-  // grad_q partial sums [num_kv_splits, batch, num_heads, seq_q, head_dim] contiguous and
-  // zero-filled: one slice per split of the key range, so splits never share a row.
+  // grad_q partial sums [num_kv_splits, batch, num_heads, seq_q, head_dim] contiguous: one
+  // slice per split of the key range, so splits never share a row. Zero-filled for the CUDA
+  // kernel; the CPU kernels take it uncleared.
   void* grad_q_accum = nullptr;
   int64_t num_kv_splits = 1;
   // rowsum(grad_out * out) - grad_lse, written by the kernel: [batch, num_heads, seq_q].
