@@ -180,10 +180,11 @@ void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* r
   }
 }
 
-// Writes the task's normalised outputs and logsumexps.
+// Writes the task's normalised outputs and logsumexps. row_max is in units of max_unit (1,
+// or ln 2 for a max kept in log2 units).
 template <typename scalar_t, typename acc_t>
 void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, const acc_t* row_max,
-                 const acc_t* row_sum, int64_t sum_lanes = 1) {
+                 const acc_t* row_sum, int64_t sum_lanes = 1, double max_unit = 1.0) {
   const AttentionForwardParams& p = task.p;
   for (int64_t i = 0; i < task.sub_blocks(); ++i) {
     const int64_t head = task.head(i), row0 = task.row0(i);
@@ -194,7 +195,8 @@ void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, c
       const int64_t row = i * kBlockQ + r;
       const acc_t* partial_sums = row_sum + row * sum_lanes;
       const acc_t sum = std::accumulate(partial_sums, partial_sums + sum_lanes, acc_t(0));
-      lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row], sum, out + r * p.out_strides.row);
+      lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row] * max_unit, sum,
+                          out + r * p.out_strides.row);
     }
   }
 }
@@ -612,9 +614,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
-  // O accumulators [sub_rows, ld_dv], row max [sub_rows], partial row sums [sub_rows,
-  // kSumLanes], fp32 P of one sub-block for dropout [kBlockQ, key_tile], the task's own
-  // packed tile where not prepacked.
+  // O accumulators [sub_rows, ld_dv], row max in log2 units [sub_rows], partial row sums
+  // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kBlockQ, key_tile], the
+  // task's own packed tile where not prepacked.
   const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + sub_rows +
                                sub_rows * kSumLanes + kBlockQ * key_tile + (prepacked ? 0 : layout.tile_words);
 
@@ -622,15 +624,15 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
     float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
     scalar_t* p_tiles = reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
     float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
-    float* row_max = o_tiles + sub_rows * ld_dv;                                   // [sub_rows]
-    float* row_sums = row_max + sub_rows;                                          // [sub_rows, kSumLanes]
+    float* row_max_log2 = o_tiles + sub_rows * ld_dv;                              // [sub_rows]
+    float* row_sums = row_max_log2 + sub_rows;                                     // [sub_rows, kSumLanes]
     float* dropout_probs = row_sums + sub_rows * kSumLanes;                        // [kBlockQ, key_tile]
     uint32_t* own_tile = reinterpret_cast<uint32_t*>(dropout_probs + kBlockQ * key_tile);  // [layout.tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
-      reset_rows(task, ld_dv, o_tiles, row_max, row_sums, kSumLanes);
+      reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes);
 
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end; key0 += key_tile) {
@@ -664,16 +666,16 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           mask_scores_tile<scalar_t>(s_tile, key_tile, rows, cols_i, p, batch, head, row0, key0);
           // P [rows, key_tile] in bf16, zero past cols_i (the pad column included)
           scalar_t* p_tile = p_tiles + i * kBlockQ * key_tile;
-          float* row_max_i = row_max + i * kBlockQ;
+          float* row_max_log2_i = row_max_log2 + i * kBlockQ;
           float* row_sums_i = row_sums + i * kBlockQ * kSumLanes;
           float* o_tile = o_tiles + i * kBlockQ * ld_dv;
           const float score_scale = fold_scale ? scale : 1.f;
           if (!p.dropout.enabled) {
-            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_i, row_sums_i, o_tile, ld_dv,
-                                  p.head_dim_v, p_tile, key_tile);
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i, row_sums_i, o_tile,
+                                  ld_dv, p.head_dim_v, p_tile, key_tile);
           } else {
             // Dropout applies to fp32 P after the sums took it; then P rounds once.
-            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_i, row_sums_i, o_tile,
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i, row_sums_i, o_tile,
                                   ld_dv, p.head_dim_v, dropout_probs, key_tile);
             for (int64_t r = 0; r < rows; ++r) {
               float* probs = dropout_probs + r * key_tile;
@@ -691,7 +693,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
         }
       }
 
-      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sums, kSumLanes);
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes, /*max_unit=*/kLn2);
     }
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
   });
