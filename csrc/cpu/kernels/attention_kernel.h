@@ -729,24 +729,28 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
 }
 
 // The bf16 backward's elementwise step over a tile, one pass per two rows: P = exp(score_scale
-// S - lse) over the masked scores in p_tile (P written back, for dropout's copy), dS =
-// P * (dP - delta) from dp_tile, and the bf16 operands the products take: P and dS in row
-// pairs (p_pairs, ds_pairs [ceil(rows / 2), ld], a zero row padding an odd count) and dS as
-// it is (ds_bf16 [rows, ld], a zero column padding an odd count). The same arithmetic as
-// probs_from_lse and softmax_grad_row; one pass instead of five saves reloading P and dS
-// four times.
+// S - lse) over the masked scores in p_tile (P written back where keep_probs is set, for
+// dropout's copy), dS = P * (dP - delta) from dp_tile, and the bf16 operands the products
+// take: P and dS in row pairs (p_pairs, ds_pairs [ceil(rows / 2), ld], a zero row padding an
+// odd count) and dS as it is (ds_bf16 [rows, ld], a zero column padding an odd count). The
+// arithmetic of probs_from_lse and softmax_grad_row, with the exp taken as softmax_exp2 of
+// (score_scale log2 e) S - lse log2 e, as the bf16 forward does; one pass instead of five
+// saves reloading P and dS four times.
 __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
     float* p_tile, const float* dp_tile, int64_t ld, int64_t rows, int64_t cols, const float* lse,
-    const float* delta, float score_scale, uint32_t* p_pairs, uint32_t* ds_pairs, c10::BFloat16* ds_bf16) {
-  const __m512 scale = _mm512_set1_ps(score_scale);
+    const float* delta, float score_scale, bool keep_probs, uint32_t* p_pairs, uint32_t* ds_pairs,
+    c10::BFloat16* ds_bf16) {
+  const __m512 scale = _mm512_set1_ps(static_cast<float>(score_scale * kLog2e));
   const int64_t even_cols = round_up(cols, 2);
   for (int64_t r = 0; r < rows; r += 2) {
     const int64_t pair_rows = std::min<int64_t>(2, rows - r);
-    // exp(scale s + bias) with bias -lse, or -inf for a row that saw no key (lse -inf): P = 0.
+    // 2^(scale s + bias) with bias -lse log2 e (rounded once), or -inf for a row that saw no
+    // key (lse -inf): P = 0.
     __m512 bias[2], row_delta[2];
     for (int64_t j = 0; j < 2; ++j) {
       const bool saw_keys = j < pair_rows && lse[r + j] != -std::numeric_limits<float>::infinity();
-      bias[j] = _mm512_set1_ps(saw_keys ? -lse[r + j] : -std::numeric_limits<float>::infinity());
+      bias[j] = _mm512_set1_ps(saw_keys ? static_cast<float>(-lse[r + j] * kLog2e)
+                                        : -std::numeric_limits<float>::infinity());
       row_delta[j] = _mm512_set1_ps(j < pair_rows ? delta[r + j] : 0.f);
     }
     for (int64_t c = 0; c < even_cols; c += 16) {
@@ -758,9 +762,9 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
         if (j == pair_rows) continue;
         float* p_row = p_tile + (r + j) * ld + c;
         // Lanes past cols stay 0, so the pad column and the pairs' tails hold zeros.
-        probs[j] = _mm512_maskz_mov_ps(lanes, softmax_exp(at::vec::Vectorized<float>(_mm512_fmadd_ps(
-                                                  _mm512_maskz_loadu_ps(lanes, p_row), scale, bias[j]))));
-        _mm512_mask_storeu_ps(p_row, lanes, probs[j]);
+        probs[j] = _mm512_maskz_mov_ps(
+            lanes, softmax_exp2(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p_row), scale, bias[j])));
+        if (keep_probs) _mm512_mask_storeu_ps(p_row, lanes, probs[j]);
         const __m512 dp = _mm512_maskz_loadu_ps(lanes, dp_tile + (r + j) * ld + c);
         grads[j] = _mm512_mul_ps(probs[j], _mm512_sub_ps(dp, row_delta[j]));
       }
@@ -927,8 +931,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
               }
               // P and dS = P * (dP - delta), in the layouts the products below take
               probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + row0, delta + row0,
-                                    fold_scale ? scale : 1.f, block_p_pairs, ds_pairs + in_chunk / 2 * kBlockK,
-                                    ds_bf16 + in_chunk * kBlockK);
+                                    fold_scale ? scale : 1.f, /*keep_probs=*/p.dropout.enabled, block_p_pairs,
+                                    ds_pairs + in_chunk / 2 * kBlockK, ds_bf16 + in_chunk * kBlockK);
               // dV sees the dropped probabilities: their pairs replace those of P.
               if (p.dropout.enabled) {
                 const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);

@@ -158,7 +158,7 @@ inline at::vec::Vectorized<acc_t> softmax_exp(const at::vec::Vectorized<acc_t>& 
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr float kLog2e = 1.44269504088896341f;
+constexpr double kLog2e = 1.44269504088896340736;
 constexpr double kLn2 = 0.69314718055994530942;
 
 // 2^y for the bf16 forward's softmax, which folds log2(e) into its scale and max, so that
@@ -369,7 +369,8 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
       _mm512_storeu_si512(p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0])));
     }
   }
-  if (check && _mm512_cmp_ps_mask(highest, _mm512_set1_ps(kRescaleMargin * kLog2e), _CMP_GT_OQ) != 0) return false;
+  const __m512 margin = _mm512_set1_ps(static_cast<float>(kRescaleMargin * kLog2e));
+  if (check && _mm512_cmp_ps_mask(highest, margin, _CMP_GT_OQ) != 0) return false;
   _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), total));
   return true;
 }
@@ -394,7 +395,7 @@ __attribute__((target("avx512bf16"))) void softmax_tile_to_probs(const float* s_
                                                                    int64_t ld_o, int64_t head_dim_v, out_t* p_tile,
                                                                    int64_t ld_p) {
   using Vec = at::vec::Vectorized<float>;
-  const float scale_log2 = score_scale * kLog2e;
+  const float scale_log2 = static_cast<float>(score_scale * kLog2e);
   for (int64_t r = 0; r < rows; ++r) {
     const float* s = s_tile + r * ld_s;
     float* sums = row_sums + r * kSumLanes;
