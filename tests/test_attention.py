@@ -257,6 +257,25 @@ def test_scores_that_outgrow_the_running_max(dtype, causal):
     check_backward(q, k, v, kwargs)
 
 
+def test_bf16_outputs_keep_subnormal_values():
+    # bf16 outputs below the smallest normal (1.2e-38) must round as torch's conversion does,
+    # not flush to zero (the CPU kernels' fast bf16 rounding instruction alone would). With
+    # q = 0 every key weighs 1/90; values of +-2e-38 (normal) sum to 2 x 2e-38 and average
+    # to 4.4e-40, a bf16 subnormal. (Subnormal inputs would not do: AMX products read them
+    # as 0, in torch's kernels too.)
+    seq_k = 90
+    q = torch.zeros(1, 4, 30, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, seq_k, 64).bfloat16()
+    value = torch.tensor(2e-38).bfloat16()
+    signs = torch.tensor([1.0] * 46 + [-1.0] * 44)
+    v = (signs[:, None] * value.float()).expand(seq_k, 64).reshape(1, 1, seq_k, 64).expand(1, 2, seq_k, 64)
+    out = mha_ext.attention(q, k, v.bfloat16().contiguous())
+    expected = 2 * value.double() / seq_k
+    assert 0 < expected < 1.17e-38
+    assert (out != 0).all()
+    assert (out.double() - expected).abs().max() <= 9.2e-41  # one bf16 subnormal step
+
+
 @pytest.mark.parametrize("shape", [(2, 4, 2, 5, 0), (2, 4, 2, 0, 7), (0, 4, 2, 5, 7)], ids=["no_keys", "no_queries", "no_batch"])
 def test_empty_dimensions(shape):
     batch, heads, kv_heads, seq_q, seq_k = shape
