@@ -165,6 +165,26 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_finite_grads():
     check_backward(q2, k2, v2, {"causal": "bottom_right"})
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_no_key_reaches_get_zero_grad_q_whatever_memory_they_get(dtype):
+    # Rows that see no key get dQ = 0, which the CPU backward writes itself rather than
+    # relying on zeroed memory: freed buffers of grad_q's size, filled with NaN, are what
+    # the allocator hands out next. Bottom-right causal with 200 queries over 40 keys
+    # leaves the first 160 rows (two whole 64-row blocks) without keys; 4 kv heads keep the
+    # key range in one split.
+    q, k, v = random_qkv(1, 4, 4, 200, 40, 64, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = mha_ext.attention(*leaves, causal="bottom_right")
+    grad_out = torch.randn(out.shape).to(dtype)
+    for _ in range(3):
+        poison = [torch.full_like(q, float("nan")) for _ in range(32)]
+        del poison
+        grad_q, = torch.autograd.grad(out, leaves[0], grad_out, retain_graph=True)
+        assert (grad_q[:, :, :160] == 0).all()
+        assert torch.isfinite(grad_q).all()
+
+
 def test_lse_gradient_flows():
     q, k, v = random_qkv(1, 4, 2, 33, 47, 32, dtype=torch.float64)
     weights = torch.randn(1, 4, 33, dtype=torch.float64)
