@@ -238,6 +238,10 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
   for (int i = 0; i < kCount; ++i) sums[i] = horizontal_sum(v[i]);
 }
 
+// How far (in natural units) a tile's scores may exceed a row's running max before the
+// online softmax moves the max and rescales.
+constexpr int kRescaleMargin = 8;
+
 // One key tile's step of the online softmax of `rows` rows. On entry s_tile [rows, ld_s]
 // holds the tile's scores (-inf where hidden); on exit it holds exp(s - row_max). The
 // running max moves lazily: only when a tile's max exceeds it by more than kRescaleMargin
@@ -249,8 +253,6 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
 // left them unscaled saves a pass over the tile (1 keeps the result bit for bit).
 // The max pass runs over all rows before the exp pass: with the rows' horizontal
 // reductions independent of each other the core overlaps them, which per-row passes did not.
-constexpr int kRescaleMargin = 8;
-
 template <typename acc_t>
 void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols, acc_t* row_max,
                          acc_t* row_sum, acc_t* o_tile, int64_t ld_o, int64_t head_dim_v,
@@ -378,9 +380,10 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
 // The bf16 forward's online-softmax step over a key tile: the same lazy rescale as
 // online_softmax_tile, but one pass per row where that takes two, and the running max in
 // log2 units (row_max_log2: the max of score_scale log2(e) s, the exponent's own terms, so
-// that the sums are exact sums of 2^(that - max) and the logsumexp is max ln 2 + log(sum)). The exps run against the
-// running max as it stands, and only a row in which some score exceeds it by more than the
-// margin (rare past a row's first tiles) takes a max pass and a second exp pass. P goes to
+// that the sums are exact sums of 2^(that - max) and the logsumexp is max ln 2 + log(sum)).
+// The exps run against the running max as it stands, and only a row in which some score
+// exceeds it by more than the margin (rare past a row's first tiles) takes a max pass and a
+// second exp pass. P goes to
 // p_tile [rows, ld_p] (bf16, or fp32 for a caller that still applies dropout; zeros past
 // cols up to a multiple of 32, so ld_p >= cols rounded up to 32) instead of over the
 // scores, which the second pass reads, and the sums stay per lane (row_sums [rows,
