@@ -124,7 +124,9 @@ inline ForwardPlan plan_forward(const AttentionForwardParams& p) {
 }
 
 // One forward task: (batch, kv head, chunk of query blocks) and its sub-blocks. Sub-block i
-// is query head kv_head * group + i % group over query block first_block + i / group.
+// is query head kv_head * group + i / blocks over query block first_block + i % blocks: a
+// head's blocks come one after another, so their rows are consecutive in q and in the
+// sub-blocks' tiles.
 struct ForwardTask {
   const AttentionForwardParams& p;
   const ForwardPlan& plan;
@@ -138,8 +140,8 @@ struct ForwardTask {
     blocks = std::min(plan.blocks_per_task, plan.q_blocks - first_block);
   }
   int64_t sub_blocks() const { return blocks * plan.group; }
-  int64_t head(int64_t i) const { return kv_head * plan.group + i % plan.group; }
-  int64_t row0(int64_t i) const { return (first_block + i / plan.group) * kBlockQ; }
+  int64_t head(int64_t i) const { return kv_head * plan.group + i / blocks; }
+  int64_t row0(int64_t i) const { return (first_block + i % blocks) * kBlockQ; }
   int64_t rows(int64_t i) const { return std::min(kBlockQ, p.seq_q - row0(i)); }
   // Both window bounds grow with the row: a query block's keys run from its first row's
   // begin to its last row's end, and the task's from its first block to its last. Key tiles
@@ -160,6 +162,21 @@ struct ForwardTask {
   int64_t cols_seen(int64_t i, int64_t key0, int64_t cols) const {
     return std::min(cols, visible_keys(p.window, row0(i) + rows(i) - 1, p.seq_k).end - key0);
   }
+  // How many sub-blocks from i on (one head's consecutive blocks) see the tile [key0, key0 +
+  // cols) and compute the same columns of it, so that one product can take all their rows;
+  // 0 when sub-block i sees none of the tile.
+  int64_t alike_run(int64_t i, int64_t key0, int64_t cols) const {
+    if (!sees(i, key0, cols)) return 0;
+    const int64_t seen = cols_seen(i, key0, cols);
+    int64_t run = 1;
+    while (i + run < sub_blocks() && head(i + run) == head(i) && sees(i + run, key0, cols) &&
+           cols_seen(i + run, key0, cols) == seen) {
+      ++run;
+    }
+    return run;
+  }
+  // Rows of sub-blocks [i, i + run).
+  int64_t rows(int64_t i, int64_t run) const { return (run - 1) * kBlockQ + rows(i + run - 1); }
   template <typename scalar_t>
   const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
     return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
@@ -643,13 +660,16 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
         const uint32_t* v_pairs = kt_pairs + layout.kt_words;  // [key_tile / 2, head_dim_v]
 
         // The sub-blocks' products go in two runs, all S = Q K^T and then all O += P V:
-        // brgemm reconfigures the AMX tiles whenever consecutive calls change shape.
-        for (int64_t i = 0; i < task.sub_blocks(); ++i) {
-          if (!task.sees(i, key0, cols)) continue;
+        // brgemm reconfigures the AMX tiles whenever consecutive calls change shape. A head's
+        // consecutive blocks that compute the same columns share each call (every call has a
+        // fixed cost).
+        for (int64_t i = 0, run = 0; i < task.sub_blocks(); i += std::max<int64_t>(run, 1)) {
+          run = task.alike_run(i, key0, cols);
+          if (run == 0) continue;
           const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                               task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
-          // S = Q K^T   [rows, cols], straight from q's rows
-          at::native::cpublas::brgemm(task.rows(i), task.cols_seen(i, key0, cols), p.head_dim, p.q_strides.row,
+          // S = Q K^T   [rows, cols] of sub-blocks [i, i + run), straight from q's rows
+          at::native::cpublas::brgemm(task.rows(i, run), task.cols_seen(i, key0, cols), p.head_dim, p.q_strides.row,
                                       key_tile, key_tile, false, q, reinterpret_cast<const scalar_t*>(kt_pairs),
                                       s_tiles + i * kBlockQ * key_tile, true);
         }
@@ -684,10 +704,11 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
             }
           }
         }
-        for (int64_t i = 0; i < task.sub_blocks(); ++i) {
-          if (!task.sees(i, key0, cols)) continue;
-          // O += P V   [rows, head_dim_v]
-          at::native::cpublas::brgemm(task.rows(i), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2),
+        for (int64_t i = 0, run = 0; i < task.sub_blocks(); i += std::max<int64_t>(run, 1)) {
+          run = task.alike_run(i, key0, cols);
+          if (run == 0) continue;
+          // O += P V   [rows, head_dim_v] of sub-blocks [i, i + run)
+          at::native::cpublas::brgemm(task.rows(i, run), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2),
                                       key_tile, p.head_dim_v, ld_dv, true, p_tiles + i * kBlockQ * key_tile,
                                       reinterpret_cast<const scalar_t*>(v_pairs), o_tiles + i * kBlockQ * ld_dv, true);
         }
