@@ -868,28 +868,28 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t tile = kBlockQ * kBlockK, chunk_rows = kBackwardChunkBlocks * kBlockQ;
+  const int64_t chunk_rows = kBackwardChunkBlocks * kBlockQ, chunk_tile = chunk_rows * kBlockK;
   const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * d;
-  // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of one block; bf16 P and dS
-  // in row pairs and dS as it is of a chunk (half a word each); fp32 dK^T and dV^T
-  // accumulators and the staging of their transposes.
-  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * tile +
-                               3 * chunk_rows * kBlockK / 2 + (d + dv) * kBlockK + kBlockK * std::max(d, dv);
+  // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of a chunk; bf16 P and dS
+  // in row pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
+  // staging of their transposes.
+  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * chunk_tile +
+                               3 * chunk_tile / 2 + (d + dv) * kBlockK + kBlockK * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kBlockK]
     uint32_t* vt_pairs = kt_pairs + d / 2 * kBlockK;     // [dv / 2, kBlockK]
     uint32_t* k_pairs = vt_pairs + dv / 2 * kBlockK;     // [kBlockK / 2, d]
-    float* p_tile = reinterpret_cast<float*>(k_pairs + kBlockK / 2 * d);  // [kBlockQ, kBlockK] P
-    float* pd_tile = p_tile + tile;                      // [kBlockQ, kBlockK] P after dropout
-    float* ds_tile = pd_tile + tile;                     // [kBlockQ, kBlockK] dP, then dS
-    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + tile);  // [chunk_rows / 2, kBlockK] dropped P
-    uint32_t* ds_pairs = p_pairs + chunk_rows / 2 * kBlockK;          // [chunk_rows / 2, kBlockK] dS
-    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_rows / 2 * kBlockK);  // [chunk_rows, kBlockK] dS
-    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_rows * kBlockK);  // [d, kBlockK]
+    float* p_tile = reinterpret_cast<float*>(k_pairs + kBlockK / 2 * d);  // [chunk_rows, kBlockK] P
+    float* pd_tile = p_tile + chunk_tile;                // [chunk_rows, kBlockK] P after dropout
+    float* ds_tile = pd_tile + chunk_tile;               // [chunk_rows, kBlockK] dP, then dS
+    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kBlockK] dropped P
+    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;       // [chunk_rows / 2, kBlockK] dS
+    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);  // [chunk_rows, kBlockK] dS
+    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_tile);  // [d, kBlockK]
     float* dvt_tile = dkt_tile + d * kBlockK;            // [dv, kBlockK]
     float* staging = dvt_tile + dv * kBlockK;            // [kBlockK, max(d, dv)]
 
@@ -925,51 +925,53 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           const scalar_t* grad_out_t = q_t + d * ld_t;    // [dv, ld_t]
           for (int64_t chunk0 = rows_begin; chunk0 < rows_end; chunk0 += chunk_rows) {
             const int64_t chunk_end = std::min(chunk0 + chunk_rows, rows_end);
-            // The products run in an order that keeps consecutive calls the same shape where
-            // the head dims match (S and dP of every block, then dQ of every block, then dV^T
-            // and dK^T): brgemm reloads the AMX tile configuration whenever the shape changes.
-            for (int64_t row0 = chunk0; row0 < chunk_end; row0 += kBlockQ) {
-              const int64_t rows = std::min(kBlockQ, chunk_end - row0), in_chunk = row0 - chunk0;
-              const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
-                                  head * p.q_strides.head + row0 * p.q_strides.row;
-              const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                                         head * p.grad_out_strides.head + row0 * p.grad_out_strides.row;
-              uint32_t* block_p_pairs = p_pairs + in_chunk / 2 * kBlockK;  // [kBlockQ / 2, kBlockK]
-              // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
-              at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
-                                          reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
-              // dP = dO V^T   [rows, cols]
-              at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
-                                          reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
-              for (int64_t r = 0; !fold_scale && r < rows; ++r) {
-                float* s = p_tile + r * kBlockK;
-                at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
-              }
-              mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-              // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
-              for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
-                apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
-              }
-              // P and dS = P * (dP - delta), in the layouts the products below take
-              probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + row0, delta + row0,
-                                    fold_scale ? scale : 1.f, /*keep_probs=*/p.dropout.enabled, block_p_pairs,
-                                    ds_pairs + in_chunk / 2 * kBlockK, ds_bf16 + in_chunk * kBlockK);
-              // dV sees the dropped probabilities: their pairs replace those of P.
-              if (p.dropout.enabled) {
-                const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
-                round_to_row_pairs(pd, kBlockK, rows, cols, block_p_pairs, kBlockK);
-              }
+            const int64_t rows = chunk_end - chunk0;
+            const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                                head * p.q_strides.head + chunk0 * p.q_strides.row;
+            const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                                       head * p.grad_out_strides.head + chunk0 * p.grad_out_strides.row;
+            // Each product takes the whole chunk (brgemm has a fixed cost per call), in an order
+            // that keeps consecutive calls the same shape where the head dims match (S and dP,
+            // then dQ, then dV^T and dK^T): brgemm reloads the AMX tile configuration whenever
+            // the shape changes.
+            // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
+            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
+                                        reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
+            // dP = dO V^T   [rows, cols]
+            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
+                                        reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
+            for (int64_t r = 0; !fold_scale && r < rows; ++r) {
+              float* s = p_tile + r * kBlockK;
+              at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
             }
-            for (int64_t row0 = chunk0; row0 < chunk_end; row0 += kBlockQ) {
-              // dQ += dS K   [rows, d]  (scaled when the splits are summed); the block's first
-              // product writes dQ
-              at::native::cpublas::brgemm(std::min(kBlockQ, chunk_end - row0), d, even_cols, kBlockK, d, d,
-                                          /*add_C=*/row0 < written_end, ds_bf16 + (row0 - chunk0) * kBlockK,
-                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + row0 * d, true);
+            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, chunk0, key0);
+            // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
+            for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
+              apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, chunk0 + r, key0);
             }
-            // Every block but the last is whole, so the chunk's rows are consecutive in the
-            // pairs; an odd count ends on a zero row.
-            const int64_t depth = round_up(chunk_end - chunk0, 2);
+            // P and dS = P * (dP - delta), in the layouts the products below take
+            probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + chunk0, delta + chunk0,
+                                  fold_scale ? scale : 1.f, /*keep_probs=*/p.dropout.enabled, p_pairs, ds_pairs,
+                                  ds_bf16);
+            // dV sees the dropped probabilities: their pairs replace those of P.
+            if (p.dropout.enabled) {
+              const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, chunk0, key0);
+              round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
+            }
+            // dQ += dS K   [rows, d]  (scaled when the splits are summed): into the blocks an
+            // earlier key block wrote, and writing the others
+            const int64_t added_end = std::clamp(written_end, chunk0, chunk_end);
+            if (added_end > chunk0) {
+              at::native::cpublas::brgemm(added_end - chunk0, d, even_cols, kBlockK, d, d, /*add_C=*/true, ds_bf16,
+                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + chunk0 * d, true);
+            }
+            if (chunk_end > added_end) {
+              at::native::cpublas::brgemm(chunk_end - added_end, d, even_cols, kBlockK, d, d, /*add_C=*/false,
+                                          ds_bf16 + (added_end - chunk0) * kBlockK,
+                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + added_end * d, true);
+            }
+            // An odd row count ends on the zero row of the pairs.
+            const int64_t depth = round_up(rows, 2);
             // dV^T += dO^T P_dropped   [dv, cols]
             at::native::cpublas::brgemm(dv, cols, depth, ld_t, kBlockK, kBlockK, true, grad_out_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
