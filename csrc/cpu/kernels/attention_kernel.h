@@ -284,6 +284,13 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   });
 }
 
+// The dQ partial sums [seq_q, head_dim] of key split `split` for batch x head bh in
+// p.grad_q_accum.
+template <typename acc_t>
+acc_t* grad_q_partial_sums(const AttentionBackwardParams& p, int64_t split, int64_t bh) {
+  return static_cast<acc_t*>(p.grad_q_accum) + (split * p.batch * p.num_heads + bh) * p.seq_q * p.head_dim;
+}
+
 // One backward task: (batch, kv head, split of the key blocks), the key blocks
 // [first_block, end_block) of that split, and its kv head's rows of K, V, dK and dV.
 template <typename scalar_t>
@@ -392,7 +399,6 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                                p.head_dim * kBlockK + p.head_dim_v * kBlockK + 3 * tile +
                                kBlockK * ld_d + kBlockK * ld_dv + kBlockK * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
@@ -412,8 +418,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
       // The group's dQ partial sums in this split start at 0 (the workspace comes uncleared).
       for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        acc_t* grad_q_accum = static_cast<acc_t*>(p.grad_q_accum) + split * accum_split_stride +
-                              (batch * p.num_heads + head) * p.seq_q * p.head_dim;
+        acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, batch * p.num_heads + head);
         std::fill(grad_q_accum, grad_q_accum + p.seq_q * p.head_dim, acc_t(0));
       }
 
@@ -432,8 +437,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           const int64_t bh = batch * p.num_heads + head;
           const acc_t* lse = static_cast<const acc_t*>(p.lse) + bh * p.seq_q;
           const acc_t* delta = static_cast<const acc_t*>(p.delta) + bh * p.seq_q;
-          acc_t* grad_q_accum = static_cast<acc_t*>(p.grad_q_accum) +
-                                split * accum_split_stride + bh * p.seq_q * p.head_dim;
+          acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, bh);
           for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, seeing.end - row0);
             // Scaled on load: S = (scale Q) K^T, and dK = dS^T (scale Q) needs no rescaling.
@@ -872,7 +876,6 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
-  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * d;
   // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of a chunk; bf16 P and dS
   // in row pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
   // staging of their transposes.
@@ -920,7 +923,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           const int64_t bh = batch * p.num_heads + head;
           const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
           const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
-          float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + split * accum_split_stride + bh * p.seq_q * d;
+          float* grad_q_accum = grad_q_partial_sums<float>(p, split, bh);
           const scalar_t* q_t = transposed_rows(p, bh);  // [d, ld_t]
           const scalar_t* grad_out_t = q_t + d * ld_t;    // [dv, ld_t]
           for (int64_t chunk0 = rows_begin; chunk0 < rows_end; chunk0 += chunk_rows) {
@@ -996,8 +999,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
         }
       }
       for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + split * accum_split_stride +
-                              (batch * p.num_heads + head) * p.seq_q * d;
+        float* grad_q_accum = grad_q_partial_sums<float>(p, split, batch * p.num_heads + head);
         std::fill(grad_q_accum, grad_q_accum + written_begin * d, 0.f);
         std::fill(grad_q_accum + std::max(written_begin, written_end) * d, grad_q_accum + p.seq_q * d, 0.f);
       }
