@@ -8,10 +8,19 @@ import torch
 from .timing import median_seconds
 
 
-def matmul_gflops(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=2, repeats=repeats, device=device)
+def matmul_gflops(dtype: torch.dtype, device: torch.device, max_size: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of torch.matmul on square matrices, the size doubled from 256 until a call takes
+    50 ms or reaches max_size: a CPU without bf16 instructions multiplies bf16 at about 2
+    GFLOP/s, where one 2048 product takes 10 s."""
+    size = 256
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=1, repeats=1, device=device)
+        if seconds["matmul"] >= 0.05 or size >= max_size:
+            break
+        size *= 2
+    seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=1, repeats=repeats, device=device)
     return 2.0 * size ** 3 / seconds["matmul"] / 1e9
 
 
