@@ -321,7 +321,6 @@ struct BackwardTask {
 // recompute P this way; the fp32 one passes score_scale 1 (its Q was scaled on load).
 template <typename acc_t>
 void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse, acc_t score_scale) {
-  using Vec = at::vec::Vectorized<acc_t>;
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* s = p_tile + r * ld;
     const acc_t row_lse = lse[r];
@@ -329,8 +328,7 @@ void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const
       std::fill(s, s + cols, acc_t(0));
       continue;
     }
-    at::vec::map([&](Vec x) { return softmax_exp(at::vec::fmadd(x, Vec(score_scale), Vec(-row_lse))); }, s, s,
-                 cols);
+    exp_row(s, cols, score_scale, -row_lse);
   }
 }
 

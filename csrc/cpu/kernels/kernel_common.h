@@ -125,6 +125,34 @@ void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
   at::vec::map([factor](Vec x) { return x * Vec(factor); }, dst, src, cols);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// softmax_exp's AVX2 form, in place over kCount vectors: the reduction and polynomial of the
+// AVX-512 one below, with 2^n put into the exponent field of e^r by an integer add (AVX2 has
+// no VSCALEFPS), exact while the result is a normal number: it is for x >= -87 (the lanes
+// below are zeroed) up to about 88, and callers stay far below that (the online softmax's x
+// below 8, the backward's near 0). 15 instructions against exp_u20's 19. Each step runs over
+// all kCount vectors before the next: an exp is a chain of dependent instructions, and with
+// one vector at a time Zen 1 (256-bit ops split in two) kept about one chain in flight.
+template <int kCount>
+C10_ALWAYS_INLINE void softmax_exps_avx2(__m256 (&x)[kCount]) {
+  __m256 in_range[kCount], n[kCount], r[kCount], poly[kCount];
+  __m256i n_int[kCount];
+  for (int j = 0; j < kCount; ++j) in_range[j] = _mm256_cmp_ps(x[j], _mm256_set1_ps(-87.f), _CMP_NLT_UQ);  // or NaN
+  for (int j = 0; j < kCount; ++j) n_int[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(1.44269504088896341f)));
+  for (int j = 0; j < kCount; ++j) n[j] = _mm256_cvtepi32_ps(n_int[j]);
+  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(0.693145751953125f), x[j]);
+  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(1.428606765330187045e-06f), r[j]);
+  for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(_mm256_set1_ps(0.00828929059f), r[j], _mm256_set1_ps(0.0418978221f));
+  for (const float coefficient : {0.166676521f, 0.499991506f, 0.999999701f, 1.f}) {
+    for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(poly[j], r[j], _mm256_set1_ps(coefficient));
+  }
+  for (int j = 0; j < kCount; ++j) {
+    const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(poly[j]), _mm256_slli_epi32(n_int[j], 23));
+    x[j] = _mm256_and_ps(_mm256_castsi256_ps(scaled), in_range[j]);
+  }
+}
+#endif
+
 // e^x for the softmax. On AVX-512 in fp32: x = n ln2 + r with n = round(x log2 e), e^r by
 // the degree-5 polynomial of at::vec's exp_u20 and 2^n applied by VSCALEFPS. 11
 // instructions against exp_u20's 17 made the softmax about 1.3x faster, and the relative
@@ -152,6 +180,12 @@ inline at::vec::Vectorized<acc_t> softmax_exp(const at::vec::Vectorized<acc_t>& 
     poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.999999701f));
     poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(in_range, poly, n);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 v[1] = {x};
+    softmax_exps_avx2(v);
+    return v[0];
   }
 #endif
   return x.exp_u20();
@@ -238,6 +272,50 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
   for (int i = 0; i < kCount; ++i) sums[i] = horizontal_sum(v[i]);
 }
 
+// softmax_exp of each vector of x. On AVX2 the vectors go through softmax_exps_avx2
+// together.
+template <int kCount, typename acc_t>
+C10_ALWAYS_INLINE void softmax_exps(at::vec::Vectorized<acc_t> (&x)[kCount]) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 v[kCount];
+    for (int j = 0; j < kCount; ++j) v[j] = x[j];
+    softmax_exps_avx2(v);
+    for (int j = 0; j < kCount; ++j) x[j] = v[j];
+    return;
+  }
+#endif
+  for (int j = 0; j < kCount; ++j) x[j] = softmax_exp(x[j]);
+}
+
+// p[c] = softmax_exp(scale * s[c] + bias) in place for c < cols, returning the sum of the p
+// (added vector by vector in column order, then across lanes). Four vectors at a time go
+// through the exp (softmax_exps).
+template <typename acc_t>
+acc_t exp_row(acc_t* s, int64_t cols, acc_t scale, acc_t bias) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int kStep = 4;
+  const Vec scale_vec(scale), bias_vec(bias);
+  Vec sum_vec(acc_t(0));
+  int64_t c = 0;
+  for (; c + kStep * Vec::size() <= cols; c += kStep * Vec::size()) {
+    Vec p[kStep];
+    for (int j = 0; j < kStep; ++j) p[j] = at::vec::fmadd(Vec::loadu(s + c + j * Vec::size()), scale_vec, bias_vec);
+    softmax_exps(p);
+    for (int j = 0; j < kStep; ++j) {
+      p[j].store(s + c + j * Vec::size());
+      sum_vec = sum_vec + p[j];
+    }
+  }
+  for (; c < cols; c += Vec::size()) {
+    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), cols - c));
+    const Vec p = softmax_exp(at::vec::fmadd(Vec::loadu(s + c, count), scale_vec, bias_vec));
+    p.store(s + c, count);
+    sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, count);  // lanes past the row add nothing
+  }
+  return horizontal_sum(sum_vec);
+}
+
 // How far (in natural units) a tile's scores may exceed a row's running max before the
 // online softmax moves the max and rescales.
 constexpr int kRescaleMargin = 8;
@@ -277,27 +355,13 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
       row_max[r] = tile_max;
     }
   }
-  const Vec scale_vec(score_scale);
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* s = s_tile + r * ld_s;
     if (row_max[r] == kMinusInf) {  // no visible key yet: p = 0 (a NaN score stays NaN)
       std::replace(s, s + cols, kMinusInf, acc_t(0));
       continue;
     }
-    // p = exp(score_scale * s - row_max), summed in the same pass.
-    const Vec minus_max(-row_max[r]);
-    Vec sum_vec(acc_t(0));
-    for (int64_t c = 0; c < full; c += Vec::size()) {
-      const Vec p = softmax_exp(at::vec::fmadd(Vec::loadu(s + c), scale_vec, minus_max));
-      p.store(s + c);
-      sum_vec = sum_vec + p;
-    }
-    if (tail) {
-      const Vec p = softmax_exp(at::vec::fmadd(Vec::loadu(s + full, tail), scale_vec, minus_max));
-      p.store(s + full, tail);
-      sum_vec = sum_vec + Vec::set(Vec(acc_t(0)), p, tail);  // lanes past the row add nothing
-    }
-    row_sum[r] += horizontal_sum(sum_vec);
+    row_sum[r] += exp_row(s, cols, score_scale, -row_max[r]);  // p = exp(score_scale * s - row_max)
   }
 }
 
