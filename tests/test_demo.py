@@ -86,3 +86,19 @@ def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cach
         case.steps["mha_ext"]()
     pointers = [k_cache.data_ptr() for k_cache in key_caches]
     assert len(set(pointers)) == layers and pointers[:layers] == pointers[layers:]
+
+
+@pytest.mark.parametrize("matmul_gflops, naive_timed", [(1000.0, True), (0.0001, False)])
+def test_naive_attention_is_timed_only_where_its_matmuls_are_quick(matmul_gflops, naive_timed):
+    # S 64, D 32, 2 heads: 1.05 MFLOP, 10 s at 0.0001 GFLOP/s (over NAIVE_MAX_SECONDS).
+    case = suites.attention_case("forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu"))
+    calls = []
+    naive_step = case.steps["naive"]
+    case.steps["naive"] = lambda: calls.append(1) or naive_step()
+    result = suites.run_case(case, {"matmul_float32": matmul_gflops}, torch.device("cpu"), repeats=1)
+    assert ("naive" in result["results"]) == naive_timed
+    assert ("naive" in result["unsupported"]) != naive_timed
+    assert bool(calls) == naive_timed
+    if not naive_timed:
+        assert result["unsupported"]["naive"].startswith("not timed: its matmuls alone take 10 s per call")
+    assert "mha_ext" in result["results"] and "torch_sdpa" in result["results"]

@@ -34,6 +34,10 @@ GQA_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
 SUITES = ("forward", "forward_backward", "gqa_prefill", "paged_decode", "cache_append")
 # The naive attention materialises (B, H, S, S) scores and their gradients: skip it beyond.
 NAIVE_MAX_SEQ = 1024
+# Nor is it timed where its matmuls alone would take longer than this per call at the run's
+# matmul rate: a CPU without bf16 instructions multiplies bf16 at about 2 GFLOP/s, where one
+# llama2-70b forward + backward of it takes over a minute.
+NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 
@@ -231,8 +235,15 @@ def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device,
 
 def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repeats: int) -> Dict:
     """Times a case; returns its JSON-ready result. A contender with no kernel for this
-    device (mha_ext's CUDA attention before the CUDA issue lands) is reported, not timed."""
+    device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
+    where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed."""
     unsupported = {}
+    if "naive" in case.steps and case.unit == "GFLOP/s":
+        naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
+        if naive_seconds > NAIVE_MAX_SECONDS:
+            unsupported["naive"] = (f"not timed: its matmuls alone take {naive_seconds:.0f} s per call at this run's "
+                                    f"{case.roofline_key} rate")
+            del case.steps["naive"]
     for name, step in list(case.steps.items()):
         try:
             step()
