@@ -125,6 +125,14 @@ void store_row(const acc_t* src, int64_t cols, acc_t factor, scalar_t* dst) {
   at::vec::map([factor](Vec x) { return x * Vec(factor); }, dst, src, cols);
 }
 
+// softmax_exp's constants, shared by its AVX-512 and AVX2 forms: ln 2 split in two, so that
+// n ln 2's high part is exact, and the coefficients of e^r (at::vec exp_u20's polynomial),
+// highest degree first.
+constexpr float kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2High = 0.693145751953125f;
+constexpr float kExpLn2Low = 1.428606765330187045e-06f;
+constexpr float kExpPolynomial[] = {0.00828929059f, 0.0418978221f, 0.166676521f, 0.499991506f, 0.999999701f, 1.f};
+
 #if defined(CPU_CAPABILITY_AVX2)
 // softmax_exp's AVX2 form, in place over kCount vectors: the reduction and polynomial of the
 // AVX-512 one below, with 2^n put into the exponent field of e^r by an integer add (AVX2 has
@@ -138,13 +146,13 @@ C10_ALWAYS_INLINE void softmax_exps_avx2(__m256 (&x)[kCount]) {
   __m256 in_range[kCount], n[kCount], r[kCount], poly[kCount];
   __m256i n_int[kCount];
   for (int j = 0; j < kCount; ++j) in_range[j] = _mm256_cmp_ps(x[j], _mm256_set1_ps(-87.f), _CMP_NLT_UQ);  // or NaN
-  for (int j = 0; j < kCount; ++j) n_int[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(1.44269504088896341f)));
+  for (int j = 0; j < kCount; ++j) n_int[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], _mm256_set1_ps(kExpLog2e)));
   for (int j = 0; j < kCount; ++j) n[j] = _mm256_cvtepi32_ps(n_int[j]);
-  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(0.693145751953125f), x[j]);
-  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(1.428606765330187045e-06f), r[j]);
-  for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(_mm256_set1_ps(0.00828929059f), r[j], _mm256_set1_ps(0.0418978221f));
-  for (const float coefficient : {0.166676521f, 0.499991506f, 0.999999701f, 1.f}) {
-    for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(poly[j], r[j], _mm256_set1_ps(coefficient));
+  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(kExpLn2High), x[j]);
+  for (int j = 0; j < kCount; ++j) r[j] = _mm256_fnmadd_ps(n[j], _mm256_set1_ps(kExpLn2Low), r[j]);
+  for (int j = 0; j < kCount; ++j) poly[j] = _mm256_set1_ps(kExpPolynomial[0]);
+  for (int k = 1; k < 6; ++k) {
+    for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(poly[j], r[j], _mm256_set1_ps(kExpPolynomial[k]));
   }
   for (int j = 0; j < kCount; ++j) {
     const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(poly[j]), _mm256_slli_epi32(n_int[j], 23));
@@ -168,17 +176,12 @@ inline at::vec::Vectorized<acc_t> softmax_exp(const at::vec::Vectorized<acc_t>& 
   if constexpr (std::is_same_v<acc_t, float>) {
     const __m512 kLowest = _mm512_set1_ps(-87.f);
     const __mmask16 in_range = _mm512_cmp_ps_mask(x, kLowest, _CMP_NLT_UQ);  // x >= -87 or NaN
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kExpLog2e)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // r = x - n ln2, with ln2 split in two so that n ln2's high part is exact
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 poly = _mm512_set1_ps(0.00828929059f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.0418978221f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.166676521f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.499991506f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.999999701f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2High), x);  // r = x - n ln2
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Low), r);
+    __m512 poly = _mm512_set1_ps(kExpPolynomial[0]);
+    for (int k = 1; k < 6; ++k) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(kExpPolynomial[k]));
     return _mm512_maskz_scalef_ps(in_range, poly, n);
   }
 #elif defined(CPU_CAPABILITY_AVX2)
