@@ -20,7 +20,8 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, max_size: int = 2048
         if seconds["matmul"] >= 0.05 or size >= max_size:
             break
         size *= 2
-    seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=1, repeats=repeats, device=device)
+    # The probe's calls warmed a and b up.
+    seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=0, repeats=repeats, device=device)
     return 2.0 * size ** 3 / seconds["matmul"] / 1e9
 
 
