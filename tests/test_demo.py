@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mha_ext.bench import suites
+from mha_ext.bench import roofline, suites
 from mha_ext.bench.roofline import cpu_cache_bytes
 
 # Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
@@ -102,3 +102,20 @@ def test_naive_attention_is_timed_only_where_its_matmuls_are_quick(matmul_gflops
     if not naive_timed:
         assert result["unsupported"]["naive"].startswith("not timed: its matmuls alone take 10 s per call")
     assert "mha_ext" in result["results"] and "torch_sdpa" in result["results"]
+
+
+@pytest.mark.parametrize("slow_from, sizes", [(512, [256, 512]), (None, [256, 512, 1024])])
+def test_matmul_roofline_grows_the_size_until_a_call_is_slow(monkeypatch, slow_from, sizes):
+    # The size doubles from 256 until a call takes 50 ms or reaches max_size (1024 here).
+    called = []
+    monkeypatch.setattr(torch, "matmul", lambda a, b: called.append(a.shape[0]))
+
+    def fake_median_seconds(steps, warmup, repeats, device):
+        steps["matmul"]()
+        slow = slow_from is not None and called[-1] >= slow_from
+        return {"matmul": 0.08 if slow else 0.001}
+
+    monkeypatch.setattr(roofline, "median_seconds", fake_median_seconds)
+    gflops = roofline.matmul_gflops(torch.float32, torch.device("cpu"), max_size=1024)
+    assert sorted(set(called)) == sizes
+    assert gflops == pytest.approx(2.0 * sizes[-1] ** 3 / (0.08 if slow_from else 0.001) / 1e9)
