@@ -38,8 +38,8 @@ struct AccumulateType<double> {
 constexpr int64_t kBlockQ = kQueryBlock;
 constexpr int64_t kBlockK = kKeyBlock;
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Per-thread scratch that outlives calls: memory touched for the first time is slow on
 // these machines, so each thread keeps its buffer and only ever grows it. The buffer starts
@@ -237,28 +237,65 @@ acc_t horizontal_sum(const at::vec::Vectorized<acc_t>& v) {
   return at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// sums[i] = horizontal sum of v[i] for i < kCount. On AVX-512 in fp32 up to 8 vectors reduce
-// together through a tree of shuffles, 2 per sum where a vector's own reduction takes 4: the
-// shuffle port bounded decode's scores, a handful of dot products per cached key. Always
+// body(std::integral_constant<int, i>{}) for i = 0 .. kCount - 1, written out. Arrays of
+// vectors indexed by a loop counter stay in memory under GCC, whose scalar replacement runs
+// before it unrolls loops: a register accumulator array indexed so was zeroed and stored on
+// the stack for every dot product. Constant indices let it keep them in registers.
+template <int kCount, typename Body>
+C10_ALWAYS_INLINE void unrolled(Body&& body) {
+  [&]<int... kIndex>(std::integer_sequence<int, kIndex...>) C10_ALWAYS_INLINE_ATTRIBUTE {
+    (body(std::integral_constant<int, kIndex>{}), ...);
+  }(std::make_integer_sequence<int, kCount>{});
+}
+
+// Makes the compiler hold v in a register from here on: it folds a load used by several
+// FMAs into each of them as a memory operand, loading it once per use.
+template <typename acc_t>
+C10_ALWAYS_INLINE void keep_in_register(at::vec::Vectorized<acc_t>& v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m256 raw = v;
+    asm("" : "+x"(raw));
+    v = raw;
+  }
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    __m512 raw = v;
+    asm("" : "+v"(raw));
+    v = raw;
+  }
+#endif
+}
+
+// sums[i] = horizontal sum of v[i] for i < kCount. In fp32 up to 8 vectors reduce together
+// through a tree of shuffles, 2 per sum on AVX-512 where a vector's own reduction takes 4
+// (about 2.5 against 6 on AVX2): the shuffle port bounded decode's scores, a handful of dot
+// products per cached key. Always
 // inlined: called out of line, the vectors went through the stack.
 template <int kCount, typename acc_t>
 C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCount], acc_t (&sums)[kCount]) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float> && kCount > 1 && kCount <= 8) {
-    __m512 in[8];
-    for (int i = 0; i < 8; ++i) in[i] = i < kCount ? __m512(v[i]) : _mm512_setzero_ps();
+    // in(i): v[i], zero past kCount. Indices are compile-time constants throughout (see
+    // unrolled), or the vectors go through the stack.
+    auto in = [&v](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+      if constexpr (i < kCount) return __m512(v[i]);
+      return _mm512_setzero_ps();
+    };
     // halves[j]: 8 partial sums of in[2j] in the low 256 bits, of in[2j + 1] in the high.
     __m512 halves[4];
-    for (int j = 0; j < 4; ++j) {
-      halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(in[2 * j], in[2 * j + 1], 0x44),   // quarters 0, 1
-                                _mm512_shuffle_f32x4(in[2 * j], in[2 * j + 1], 0xEE));  // quarters 2, 3
-    }
+    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      constexpr std::integral_constant<int, 2 * j> even;
+      constexpr std::integral_constant<int, 2 * j + 1> odd;
+      halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(in(even), in(odd), 0x44),   // quarters 0, 1
+                                _mm512_shuffle_f32x4(in(even), in(odd), 0xEE));  // quarters 2, 3
+    });
     // quarters[j]: 4 partial sums of in[4j + k] in 128-bit lane k.
     __m512 quarters[2];
-    for (int j = 0; j < 2; ++j) {
+    unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
       quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),   // even quarters
                                   _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));  // odd quarters
-    }
+    });
     // Lane k of 128: 2 partial sums of in[k], then 2 of in[k + 4]; then whole sums in lanes
     // 4k (in[k]) and 4k + 2 (in[k + 4]), gathered into lanes 0..7. A whole 256-bit store:
     // masked stores of a few lanes stalled the loads that read them back.
@@ -272,7 +309,37 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
     return;
   }
 #endif
-  for (int i = 0; i < kCount; ++i) sums[i] = horizontal_sum(v[i]);
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float> && kCount > 1 && kCount <= 8) {
+    // in(i): v[i], zero past kCount (compile-time indices, as above).
+    auto in = [&v](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+      if constexpr (i < kCount) return __m256(v[i]);
+      return _mm256_setzero_ps();
+    };
+    // pairs[j]: in each 128-bit half, lanes (0, 1, 2, 3) hold partial sums of
+    // (in[2j], in[2j + 1], in[2j], in[2j + 1]).
+    __m256 pairs[4];
+    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      constexpr std::integral_constant<int, 2 * j> even;
+      constexpr std::integral_constant<int, 2 * j + 1> odd;
+      pairs[j] = _mm256_add_ps(_mm256_unpacklo_ps(in(even), in(odd)), _mm256_unpackhi_ps(in(even), in(odd)));
+    });
+    // quads[j]: in each half, lane k holds a partial sum of in[4j + k].
+    __m256 quads[2];
+    unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      quads[j] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    });
+    // Lane i: the whole sum of in[i] (the two halves added).
+    const __m256 totals = _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                                        _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+    alignas(32) float all[8];
+    _mm256_store_ps(all, totals);
+    for (int i = 0; i < kCount; ++i) sums[i] = all[i];
+    return;
+  }
+#endif
+  unrolled<kCount>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { sums[i] = horizontal_sum(v[i]); });
 }
 
 // softmax_exp of each vector of x. On AVX2 the vectors go through softmax_exps_avx2
