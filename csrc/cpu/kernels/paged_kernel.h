@@ -86,9 +86,23 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
 // 1.15-1.25x faster direct).
 constexpr int64_t kDirectRows = 8;
 
+// The direct path's tile rows are scored and weighted in groups of at most this many, each
+// group reading the keys and values again (from L1). On AVX2 (16 registers) an fp32 cache goes
+// 4 rows at a time: all 8 rows of a llama2-70b group at once spilled accumulators to the stack,
+// and the groups of 4 decoded 1.2x faster. A bf16 cache is not split, as each further read of
+// a key or value converts it again (1.6x slower split). AVX-512's 32 registers take all rows.
+template <typename scalar_t, typename acc_t>
+constexpr int kRowGroup =
+#if defined(CPU_CAPABILITY_AVX512)
+    kDirectRows;
+#else
+    std::is_same_v<scalar_t, acc_t> ? 4 : kDirectRows;
+#endif
+
 // Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
 // products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
-// accumulators and keys would not fit AVX2's 16 registers.
+// accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
+// a time for 4 rows, which fit, decoded 10% slower from memory).
 template <int kRows>
 constexpr int kKeysPerStep =
 #if defined(CPU_CAPABILITY_AVX512)
@@ -104,82 +118,116 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
                                   acc_t* scores, int64_t ld_s) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  Vec acc[kKeys * kRows];
-  for (Vec& a : acc) a = Vec(acc_t(0));
-  // Full vectors, then the ragged end: the main loop needs no masks.
+  Vec acc[kKeys * kRows];  // acc[j * kRows + r]: q[r] . keys[j]
+  unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = Vec(acc_t(0)); });
+  // Whole vectors; the loops over rows and keys are written out (unrolled) so that acc lives
+  // in registers.
   int64_t d = 0;
   for (; d + kWidth <= dim; d += kWidth) {
-    for (int j = 0; j < kKeys; ++j) {
-      const Vec k = load_as<acc_t>(keys[j] + d, kWidth);
-      for (int r = 0; r < kRows; ++r) {
-        acc[j * kRows + r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d), k, acc[j * kRows + r]);
-      }
-    }
-  }
-  if (d < dim) {
-    for (int j = 0; j < kKeys; ++j) {
-      const Vec k = load_as<acc_t>(keys[j] + d, dim - d);
-      for (int r = 0; r < kRows; ++r) {
-        acc[j * kRows + r] = at::vec::fmadd(Vec::loadu(q + r * ld_q + d, dim - d), k, acc[j * kRows + r]);
-      }
-    }
+    Vec k[kKeys];
+    unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[j] = load_as<acc_t>(keys[j] + d, kWidth); });
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      // One load of q's vector for the kKeys keys: given it as an FMA operand, GCC loads
+      // it again for each key, and the loads outnumber the FMAs.
+      Vec q_r = Vec::loadu(q + r * ld_q + d);
+      keep_in_register(q_r);
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[j * kRows + r] = at::vec::fmadd(q_r, k[j], acc[j * kRows + r]);
+      });
+    });
   }
   acc_t sums[kKeys * kRows];
   horizontal_sums(acc, sums);
+  // The ragged end in scalars: as masked vectors, GCC kept acc on the stack (zeroed and
+  // stored for every key) to share it between the two loops.
+  for (; d < dim; ++d) {
+    for (int j = 0; j < kKeys; ++j) {
+      for (int r = 0; r < kRows; ++r) sums[j * kRows + r] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
+    }
+  }
   for (int j = 0; j < kKeys; ++j) {
     for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = sums[j * kRows + r];
   }
 }
 
 // S[r, c] = q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows, ld_s]), the
-// keys read in place.
+// keys read in place. Value row c is requested as key c is scored, so that the rest of the
+// score pass lies between the request and the value pass's read: requested kPrefetchRows
+// rows ahead within the value pass, whose slices go through a row in a few cycles, the
+// requests came too late and half of decode's samples (perf) sat on value loads.
 template <int kRows, typename scalar_t, typename acc_t>
-void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, int64_t cols, int64_t dim,
-                acc_t* s_tile, int64_t ld_s) {
-  constexpr int kKeys = kKeysPerStep<kRows>;
+void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, const scalar_t* const* value_rows,
+                int64_t cols, int64_t dim, int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
+  constexpr int kFirstRows = std::min(kRows, kRowGroup<scalar_t, acc_t>);
+  constexpr int kLastRows = kRows - kFirstRows;  // at most kFirstRows: kRows <= 8
+  // Rows [0, kFirstRows) and [kFirstRows, kRows) score the same keys in turn.
+  auto score = [&](auto kKeys, int64_t c) {
+    for (int j = 0; j < kKeys; ++j) {
+      keys.prefetch(c + j, dim);
+      prefetch_row(value_rows[c + j], dim_v);
+    }
+    score_keys<kFirstRows, kKeys>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
+    if constexpr (kLastRows > 0) {
+      score_keys<kLastRows, kKeys>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
+                                   s_tile + kFirstRows * ld_s + c, ld_s);
+    }
+  };
+  constexpr int kKeys = kKeysPerStep<kFirstRows>;
   int64_t c = 0;
-  for (; c + kKeys <= cols; c += kKeys) {
-    for (int j = 0; j < kKeys; ++j) keys.prefetch(c + j, dim);
-    score_keys<kRows, kKeys>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
-  }
-  for (; c < cols; ++c) {
-    keys.prefetch(c, dim);
-    score_keys<kRows, 1>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
-  }
+  for (; c + kKeys <= cols; c += kKeys) score(std::integral_constant<int, kKeys>{}, c);
+  for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
 }
 
-// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
-// place. O is kept in registers a slice of kVectors vectors at a time while all the
-// tile's values pass by, rather than loaded and stored again for every key: each value row
-// is read once per slice, from the caches after the first.
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, for the kVectors vectors of O's
+// columns [d0, d0 + kVectors * width): O's slice stays in registers while the tile's values
+// pass by.
+template <int kRows, int kVectors, typename scalar_t, typename acc_t>
+C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
+                                              int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t kWidth = Vec::size();
+  int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
+  for (int j = 0; j < kVectors; ++j) width[j] = std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
+  Vec acc[kRows * kVectors];  // acc[r * kVectors + j]
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    acc[i] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
+  });
+  for (int64_t c = 0; c < cols; ++c) {
+    Vec v[kVectors];
+    unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      v[j] = load_as<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
+    });
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      const Vec weight(p_tile[r * ld_p + c]);
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * kVectors + j] = at::vec::fmadd(weight, v[j], acc[r * kVectors + j]);
+      });
+    });
+  }
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    acc[i].store(o + r * ld_o + d0 + j * kWidth, width[j]);
+  });
+}
+
 template <int kRows>
 constexpr int kValueVectors = kRows <= 4 ? 4 : 2;  // kRows x kValueVectors accumulators <= 16
 
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
+// place (score_tile requested them), a group of rows and a slice of O at a time.
 template <int kRows, typename scalar_t, typename acc_t>
-void accumulate_values(const acc_t* p_tile, int64_t ld_p, const TileRows<scalar_t>& values, int64_t cols,
+void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t kWidth = Vec::size();
-  constexpr int kVectors = kValueVectors<kRows>;
-  for (int64_t d0 = 0; d0 < dim; d0 += kVectors * kWidth) {
-    int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
-    for (int j = 0; j < kVectors; ++j) width[j] = std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
-    Vec acc[kRows][kVectors];
-    for (int r = 0; r < kRows; ++r) {
-      for (int j = 0; j < kVectors; ++j) acc[r][j] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
-    }
-    for (int64_t c = 0; c < cols; ++c) {
-      if (d0 == 0) values.prefetch(c, dim);
-      Vec v[kVectors];
-      for (int j = 0; j < kVectors; ++j) v[j] = load_as<acc_t>(values.rows[c] + d0 + j * kWidth, width[j]);
-      for (int r = 0; r < kRows; ++r) {
-        const Vec weight(p_tile[r * ld_p + c]);
-        for (int j = 0; j < kVectors; ++j) acc[r][j] = at::vec::fmadd(weight, v[j], acc[r][j]);
-      }
-    }
-    for (int r = 0; r < kRows; ++r) {
-      for (int j = 0; j < kVectors; ++j) acc[r][j].store(o + r * ld_o + d0 + j * kWidth, width[j]);
-    }
+  constexpr int kGroupRows = std::min(kRows, kRowGroup<scalar_t, acc_t>);
+  constexpr int kVectors = kValueVectors<kGroupRows>;
+  const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
+  for (int64_t d0 = 0; d0 < dim; d0 += slice_width) {
+    unrolled<ceil_div(kRows, kGroupRows)>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+      constexpr int r0 = group * kGroupRows;
+      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors>(p_tile + r0 * ld_p, ld_p, value_rows,
+                                                                          cols, dim, d0, o + r0 * ld_o, ld_o);
+    });
   }
 }
 
@@ -271,7 +319,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // S = Q K^T from the cached key rows: no K^T tile to build.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            score_tile<kRows>(q_tile, ld_d, k_rows, cols, p.head_dim, s_tile, kBlockK);
+            score_tile<kRows>(q_tile, ld_d, k_rows, v_rows.rows, cols, p.head_dim, p.head_dim_v, s_tile,
+                             kBlockK);
           });
         } else {
           gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
@@ -288,7 +337,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            accumulate_values<kRows>(s_tile, kBlockK, v_rows, cols, p.head_dim_v, o_tile, ld_dv);
+            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, o_tile, ld_dv);
           });
         } else {
           gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
