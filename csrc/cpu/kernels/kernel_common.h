@@ -270,8 +270,8 @@ C10_ALWAYS_INLINE void keep_in_register(at::vec::Vectorized<acc_t>& v) {
 // sums[i] = horizontal sum of v[i] for i < kCount. In fp32 up to 8 vectors reduce together
 // through a tree of shuffles, 2 per sum on AVX-512 where a vector's own reduction takes 4
 // (about 2.5 against 6 on AVX2): the shuffle port bounded decode's scores, a handful of dot
-// products per cached key. Always
-// inlined: called out of line, the vectors went through the stack.
+// products per cached key. Always inlined: called out of line, the vectors went through the
+// stack.
 template <int kCount, typename acc_t>
 C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCount], acc_t (&sums)[kCount]) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -178,8 +178,8 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
 }
 
-// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, for the kVectors vectors of O's
-// columns [d0, d0 + kVectors * width): O's slice stays in registers while the tile's values
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, on O's columns [d0, d0 + kVectors
+// vectors) (fewer at the end of dim): O's slice stays in registers while the tile's values
 // pass by.
 template <int kRows, int kVectors, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
