@@ -74,6 +74,7 @@ def cpu_sources():
         kernels += ["kernels_avx2.cpp", "kernels_avx512.cpp"]
     return [
         "csrc/module.cpp",
+        "csrc/python_calls.cpp",
         "csrc/ops.cpp",
         "csrc/autograd.cpp",
         "csrc/attention_checks.cpp",

@@ -1,11 +1,13 @@
 // The Python module mha_ext._C. Importing it loads this library, whose static
-// TORCH_LIBRARY blocks register the ops; the module itself only reports what was built.
+// TORCH_LIBRARY blocks register the ops; the module reports what was built and holds the
+// direct entry points of the hot ops (python_calls.cpp).
 #include <Python.h>
 
 #include <exception>
 #include <string>
 
 #include "cpu/isa.h"
+#include "python_calls.h"
 
 #if defined(MHA_EXT_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -82,4 +84,8 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
 
 }  // namespace
 
-extern "C" PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module_def); }
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && PyModule_AddFunctions(module, mha_ext::direct_op_calls()) != 0) Py_CLEAR(module);
+  return module;
+}

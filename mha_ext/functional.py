@@ -58,11 +58,6 @@ def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
     return left, right, causal != "top_left"
 
 
-# Called straight from both entry points: at decode-loop shapes such as (1, 1, 1, 64) the
-# attention itself takes about 4 us and each Python call layer about 0.5 us more.
-_FORWARD_OP = torch.ops.mha_ext.attention_forward.default
-
-
 def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, scale: Optional[float],
     window_left: int, window_right: int, bottom_right: bool, fn: str,
@@ -72,7 +67,9 @@ def _attention_forward(
         raise ValueError(f"{fn}: attn_mask requires grad, but the fused kernels give the mask no gradient")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
-    return _FORWARD_OP(q, k, v, attn_mask, dropout_seed, float(dropout_p), scale, window_left, window_right, bottom_right)
+    return ops.attention_forward(
+        q, k, v, attn_mask, dropout_seed, float(dropout_p), scale, window_left, window_right, bottom_right
+    )
 
 
 def attention(

@@ -4,15 +4,28 @@ The schemas are declared once in csrc/ops.cpp and the backends register in C++, 
 attention's autograd (csrc/autograd.cpp: its backward is the attention_backward op). This
 module adds the fake (meta) implementations, which let torch.compile trace the ops without
 running them, and the autograd formula of merge_attention_states.
+
+The ops a decode loop calls every step (attention_forward, paged_kv_append,
+paged_attention) go through _C's direct entry points (csrc/python_calls.cpp): the same
+dispatcher call without torch.ops' per-argument boxing, a few microseconds a call.
 """
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (loading the library registers the ops)
+from . import _C  # loading the library registers the ops
 
 _ops = torch.ops.mha_ext
+_has_torch_function = torch._C._has_torch_function
+_is_compiling = torch.compiler.is_compiling
+
+
+def calls_directly(tensors: tuple) -> bool:
+    """Whether an op call on these arguments may take _C's direct entry point: not while
+    torch.compile traces (it traces torch.ops) and not when an argument overrides
+    __torch_function__ or a TorchFunctionMode is active (torch.ops honours them)."""
+    return not _is_compiling() and not _has_torch_function(tensors)
 
 
 def attention_forward(
@@ -28,9 +41,10 @@ def attention_forward(
     bottom_right: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Fused attention; returns (out, lse). See csrc/ops.cpp for the argument contract."""
-    return _ops.attention_forward.default(
-        q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right
-    )
+    args = (q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right)
+    if calls_directly((q, k, v, attn_mask, dropout_seed)):
+        return _C.attention_forward(*args)
+    return _ops.attention_forward.default(*args)
 
 
 def attention_backward(
@@ -65,7 +79,11 @@ def dropout_mask(
 
 def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Writes key/value rows into the caches in place at slot_mapping (-1 skips a token)."""
-    _ops.paged_kv_append.default(key, value, k_cache, v_cache, slot_mapping)
+    args = (key, value, k_cache, v_cache, slot_mapping)
+    if calls_directly(args):
+        _C.paged_kv_append(*args)
+    else:
+        _ops.paged_kv_append.default(*args)
 
 
 def paged_attention(
@@ -73,7 +91,10 @@ def paged_attention(
     cu_seqlens_q: Tensor, scale: float,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of packed queries over paged caches; returns (out, lse)."""
-    return _ops.paged_attention.default(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    if calls_directly(tensors):
+        return _C.paged_attention(*tensors, scale)
+    return _ops.paged_attention.default(*tensors, scale)
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:

@@ -69,3 +69,93 @@ def test_compile_fullgraph_with_dropout_is_reproducible():
     second = compiled(q, k, v)
     assert torch.equal(first, second)
     assert not torch.equal(first, compiled(q, k, v))
+
+
+# ---------------------------------------------------------------- direct entry points
+# ops.py calls attention_forward, paged_kv_append and paged_attention through _C's direct
+# entry points (csrc/python_calls.cpp) except under torch.compile and __torch_function__.
+
+
+def paged_case():
+    key_cache, value_cache = torch.zeros(2, 6, 2, 8, 32).unbind(0)  # [blocks, kv heads, block, dim]
+    keys, values = torch.randn(2, 20, 2, 32).unbind(0)
+    slots = torch.arange(20) + 12  # from the middle of block 1
+    tables = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    q = torch.randn(3, 4, 32)
+    return keys, values, key_cache, value_cache, slots, (q, tables, torch.tensor([22], dtype=torch.int32),
+                                                         torch.tensor([0, 3], dtype=torch.int32), 0.3)
+
+
+class OpLog(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_tensors_take_the_direct_entry_points():
+    q, k, v = random_qkv(1, 2, 2, 3, 3, 8)
+    assert ops.calls_directly((q, k, v, None))
+    with OpLog() as log:
+        assert not ops.calls_directly((q, k, v, None))
+        mha_ext.attention(q, k, v)
+    assert torch.ops.mha_ext.attention_forward.default in log.calls
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_direct_attention_forward_equals_torch_ops(case):
+    args = attention_cases()[case]
+    direct_out, direct_lse = mha_ext._C.attention_forward(*args)
+    out, lse = torch.ops.mha_ext.attention_forward.default(*args)
+    assert torch.equal(direct_out, out) and torch.equal(direct_lse, lse)
+    assert direct_out.stride() == out.stride()
+    if args[0].requires_grad:  # the direct call records the same autograd graph
+        grad = torch.randn_like(out)
+        direct_grads = torch.autograd.grad(direct_out, args[:3], grad)
+        grads = torch.autograd.grad(out, args[:3], grad)
+        for direct_grad, expected in zip(direct_grads, grads):
+            assert torch.equal(direct_grad, expected)
+
+
+def test_direct_paged_calls_equal_torch_ops():
+    keys, values, key_cache, value_cache, slots, attention_args = paged_case()
+    mha_ext._C.paged_kv_append(keys, values, key_cache, value_cache, slots)
+    ops_key_cache, ops_value_cache = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    torch.ops.mha_ext.paged_kv_append.default(keys, values, ops_key_cache, ops_value_cache, slots)
+    assert torch.equal(key_cache, ops_key_cache) and torch.equal(value_cache, ops_value_cache)
+    assert torch.equal(key_cache[1, :, 4:], keys[:4].transpose(0, 1))  # really written in place
+    q, tables, seq_lens, cu_seqlens_q, scale = attention_args
+    direct = mha_ext._C.paged_attention(q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale)
+    expected = torch.ops.mha_ext.paged_attention.default(q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale)
+    assert torch.equal(direct[0], expected[0]) and torch.equal(direct[1], expected[1])
+
+
+def test_direct_calls_raise_what_torch_ops_raises():
+    q, k, v = random_qkv(1, 2, 2, 3, 3, 8)
+    bad = (q, k[:, :, :, :4], v, None, None, 0.0, 0.25, -1, -1, False)
+    with pytest.raises(RuntimeError, match=r"q has head_dim 8 but k has 4") as expected:
+        torch.ops.mha_ext.attention_forward.default(*bad)
+    with pytest.raises(RuntimeError) as direct:
+        mha_ext._C.attention_forward(*bad)
+    assert str(direct.value) == str(expected.value)
+    keys, values, key_cache, value_cache, slots, _ = paged_case()
+    before = key_cache.clone()
+    slots[5] = 48  # one past the cache's last slot
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[5\] = 48 is outside"):
+        mha_ext._C.paged_kv_append(keys, values, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, before)
+
+
+def test_direct_calls_name_an_argument_of_the_wrong_type():
+    q, k, v = random_qkv(1, 2, 2, 3, 3, 8)
+    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: k must be a Tensor, got list"):
+        mha_ext._C.attention_forward(q, [1.0], v, None, None, 0.0, 0.25, -1, -1, False)
+    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: bottom_right must be a bool, got int"):
+        mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, -1, -1, 1)
+    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: scale must be a float, got str"):
+        mha_ext._C.attention_forward(q, k, v, None, None, 0.0, "0.25", -1, -1, False)
+    with pytest.raises(TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"):
+        mha_ext._C.paged_attention(q[0], k, v, None, None, None)
