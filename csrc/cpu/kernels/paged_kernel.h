@@ -179,15 +179,17 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
 }
 
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, on O's columns [d0, d0 + kVectors
-// vectors) (fewer at the end of dim): O's slice stays in registers while the tile's values
-// pass by.
-template <int kRows, int kVectors, typename scalar_t, typename acc_t>
+// vectors): O's slice stays in registers while the tile's values pass by. kFull: the slice
+// lies inside dim; otherwise its vectors are cut at dim (lanes past it read and add 0). Full
+// slices are their own instantiation so that their loads carry no lane-count checks (GCC
+// kept a compare and branch per load in the loop over keys).
+template <int kRows, int kVectors, bool kFull, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
                                               int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
-  for (int j = 0; j < kVectors; ++j) width[j] = std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
+  for (int j = 0; j < kVectors; ++j) width[j] = kFull ? kWidth : std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
   Vec acc[kRows * kVectors];  // acc[r * kVectors + j]
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int r = i / kVectors, j = i % kVectors;
@@ -211,8 +213,19 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
+// weight all fit the vector registers, else 2. On AVX2, 4 rows x 4 vectors spilled four
+// accumulators to the stack, loaded and stored for every key (2 vectors: llama2-70b fp32
+// decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows keep 2 vectors and a few spills: with 1,
+// each FMA needs a broadcast weight of its own and the loads outnumber the FMAs (3% slower).
 template <int kRows>
-constexpr int kValueVectors = kRows <= 4 ? 4 : 2;  // kRows x kValueVectors accumulators <= 16
+constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
 // place (score_tile requested them), a group of rows and a slice of O at a time.
@@ -222,13 +235,16 @@ void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const*
   constexpr int kGroupRows = std::min(kRows, kRowGroup<scalar_t, acc_t>);
   constexpr int kVectors = kValueVectors<kGroupRows>;
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
-  for (int64_t d0 = 0; d0 < dim; d0 += slice_width) {
+  auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
     unrolled<ceil_div(kRows, kGroupRows)>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr int r0 = group * kGroupRows;
-      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors>(p_tile + r0 * ld_p, ld_p, value_rows,
-                                                                          cols, dim, d0, o + r0 * ld_o, ld_o);
+      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull>(
+          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o);
     });
-  }
+  };
+  int64_t d0 = 0;
+  for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, d0);
+  if (d0 < dim) slice(std::false_type{}, d0);
 }
 
 // Calls kernel(std::integral_constant<int, rows>) for rows in [1, kDirectRows].
