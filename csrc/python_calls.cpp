@@ -3,7 +3,7 @@
 // torch.ops.mha_ext.<op>.default (autograd, backend selection, fake tensors and dispatch
 // modes all still apply), without torch.ops' boxed path, which converts every argument to
 // an IValue against the schema: about 3.5 us of a 13 us forward call at shape (1, 1, 1, 64).
-// mha_ext/functional.py takes torch.ops instead while torch.compile traces and when an
+// mha_ext/ops.py takes torch.ops instead while torch.compile traces and when an
 // argument overrides __torch_function__, which only torch.ops honours.
 #include "python_calls.h"
 
