@@ -44,18 +44,24 @@ void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_
 // streaming bandwidth, most of the time spent waiting on loads that missed.
 constexpr int64_t kPrefetchRows = 16;
 
-// Requests a row of `dim` elements into the caches, one 64-byte line at a time.
-template <typename scalar_t>
-void prefetch_row(const scalar_t* row, int64_t dim) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+// Requests the 64-byte line holding *address into the caches.
+C10_ALWAYS_INLINE void request_line(const void* address) {
 #if defined(__x86_64__)
-    // GCC 12 drops __builtin_prefetch from this loop once inlined (no PREFETCH was left in
-    // the kernels), so the instruction is written out.
-    asm volatile("prefetcht1 %0" : : "m"(bytes[byte]));
+  // GCC 12 drops __builtin_prefetch from the row loops once inlined (no PREFETCH was left in
+  // the kernels), so the instruction is written out.
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
 #else
-    __builtin_prefetch(bytes + byte, 0, 2);
+  __builtin_prefetch(address, 0, 2);
 #endif
+}
+
+// Requests elements [first, dim) of a row, one 64-byte line at a time.
+template <typename scalar_t>
+void prefetch_row(const scalar_t* row, int64_t dim, int64_t first = 0) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t byte = first * static_cast<int64_t>(sizeof(scalar_t)); byte < dim * static_cast<int64_t>(sizeof(scalar_t));
+       byte += 64) {
+    request_line(bytes + byte);
   }
 }
 
@@ -69,6 +75,9 @@ struct TileRows {
   void prefetch(int64_t i, int64_t dim) const {
     if (i + kPrefetchRows < listed) prefetch_row(rows[i + kPrefetchRows], dim);
   }
+
+  // The row that prefetch(i) requests; row i itself (already cached) where none is listed.
+  const scalar_t* row_ahead(int64_t i) const { return i + kPrefetchRows < listed ? rows[i + kPrefetchRows] : rows[i]; }
 };
 
 // Rows [0, count) of a tile copied like load_rows into dst [count, ld].
@@ -111,11 +120,33 @@ constexpr int kKeysPerStep =
     1;
 #endif
 
+// The two rows a one-key score step requests while it walks its key row (kRequestRows): the
+// key row kPrefetchRows ahead (dim elements) and the value row of the key being scored.
+template <typename scalar_t>
+struct RowRequests {
+  const scalar_t* key_ahead;
+  const scalar_t* value;
+  int64_t value_dim;
+};
+
+// Whether score_tile spreads its row requests through the score loop, a line of each row
+// per 64 bytes of key, instead of requesting both rows before the step. Measured on AVX2
+// (Zen 1): an fp32 key's 16 requests at once decoded 32q/8kv at 12.1 GB/s, spread out at
+// 15.0 (llama2-70b heads 10.2 -> 10.6); a bf16 key's 8 requests lost 3% spread out. Not
+// measured on AVX-512, whose steps score several keys.
+template <typename scalar_t, int kKeys>
+constexpr bool kRequestRowsInScoreLoop =
+#if defined(CPU_CAPABILITY_AVX512)
+    false;
+#else
+    kKeys == 1 && sizeof(scalar_t) == 4;
+#endif
+
 // scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
-// is loaded and converted once for all rows.
-template <int kRows, int kKeys, typename scalar_t, typename acc_t>
+// is loaded and converted once for all rows. kRequestRows: also requests `requests`' rows.
+template <int kRows, int kKeys, bool kRequestRows, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim,
-                                  acc_t* scores, int64_t ld_s) {
+                                  acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   Vec acc[kKeys * kRows];  // acc[j * kRows + r]: q[r] . keys[j]
@@ -124,6 +155,12 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
   // in registers.
   int64_t d = 0;
   for (; d + kWidth <= dim; d += kWidth) {
+    if constexpr (kRequestRows) {
+      if (d * static_cast<int64_t>(sizeof(scalar_t)) % 64 == 0) {
+        request_line(requests.key_ahead + d);
+        if (d < requests.value_dim) request_line(requests.value + d);
+      }
+    }
     Vec k[kKeys];
     unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[j] = load_as<acc_t>(keys[j] + d, kWidth); });
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -135,6 +172,12 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
         acc[j * kRows + r] = at::vec::fmadd(q_r, k[j], acc[j * kRows + r]);
       });
     });
+  }
+  if constexpr (kRequestRows) {  // the lines the loop did not reach
+    const int64_t next = round_up(d * static_cast<int64_t>(sizeof(scalar_t)), int64_t(64)) /
+                         static_cast<int64_t>(sizeof(scalar_t));
+    prefetch_row(requests.key_ahead, dim, next);
+    prefetch_row(requests.value, requests.value_dim, next);
   }
   acc_t sums[kKeys * kRows];
   horizontal_sums(acc, sums);
@@ -162,14 +205,18 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
   constexpr int kLastRows = kRows - kFirstRows;  // at most kFirstRows: kRows <= 8
   // Rows [0, kFirstRows) and [kFirstRows, kRows) score the same keys in turn.
   auto score = [&](auto kKeys, int64_t c) {
-    for (int j = 0; j < kKeys; ++j) {
-      keys.prefetch(c + j, dim);
-      prefetch_row(value_rows[c + j], dim_v);
+    constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
+    const RowRequests<scalar_t> requests{keys.row_ahead(c), value_rows[c], dim_v};
+    if constexpr (!kInLoop) {
+      for (int j = 0; j < kKeys; ++j) {
+        keys.prefetch(c + j, dim);
+        prefetch_row(value_rows[c + j], dim_v);
+      }
     }
-    score_keys<kFirstRows, kKeys>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s);
+    score_keys<kFirstRows, kKeys, kInLoop>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
     if constexpr (kLastRows > 0) {
-      score_keys<kLastRows, kKeys>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
-                                   s_tile + kFirstRows * ld_s + c, ld_s);
+      score_keys<kLastRows, kKeys, false>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
+                                          s_tile + kFirstRows * ld_s + c, ld_s, requests);
     }
   };
   constexpr int kKeys = kKeysPerStep<kFirstRows>;
