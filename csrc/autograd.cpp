@@ -3,40 +3,19 @@
 // registration costs about 15 us per call, inference included, which small decode-loop
 // shapes notice; this kernel costs about 1 us and works for every backend and under
 // torch.compile (the backward calls an op with a fake implementation).
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
+#include "op_handles.h"
+
 namespace mha_ext {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, double, double, int64_t, int64_t, bool);
-using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, double, double, int64_t, int64_t, bool);
-
-const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mha_ext::attention_forward", "")
-                             .typed<ForwardSignature>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mha_ext::attention_backward", "")
-                             .typed<BackwardSignature>();
-  return op;
-}
 
 std::optional<at::Tensor> as_optional(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
@@ -52,8 +31,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // Unused outputs get no zero-filled gradient (see backward).
     ctx->set_materialize_grads(false);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = forward_op().call(q, k, v, attn_mask, dropout_seed, dropout_p, scale,
-                                        window_left, window_right, bottom_right);
+    auto [out, lse] = attention_forward_op().call(q, k, v, attn_mask, dropout_seed, dropout_p, scale,
+                                                  window_left, window_right, bottom_right);
     ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(at::Tensor()),
                             dropout_seed.value_or(at::Tensor())});
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -71,7 +50,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     // The kernels read rows of grad_out; a broadcast gradient (out.sum() gives stride 0)
     // has to become real rows first.
     if (grad_out.dim() > 0 && grad_out.stride(-1) != 1) grad_out = grad_out.contiguous();
-    auto [grad_q, grad_k, grad_v] = backward_op().call(
+    auto [grad_q, grad_k, grad_v] = attention_backward_op().call(
         grad_out, as_optional(grads[1]), saved[0], saved[1], saved[2], saved[3], saved[4],
         as_optional(saved[5]), as_optional(saved[6]), ctx->saved_data["dropout_p"].toDouble(),
         ctx->saved_data["scale"].toDouble(), ctx->saved_data["window_left"].toInt(),
@@ -91,8 +70,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
       at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   if (!records_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right,
-                             bottom_right);
+    return attention_forward_op().call(q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left,
+                                       window_right, bottom_right);
   }
   const variable_list outputs = AttentionFunction::apply(q, k, v, attn_mask, dropout_seed, dropout_p,
                                                          scale, window_left, window_right, bottom_right);

@@ -7,28 +7,16 @@
 // argument overrides __torch_function__, which only torch.ops honours.
 #include "python_calls.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <optional>
 #include <tuple>
 
+#include "op_handles.h"
+
 namespace mha_ext {
 namespace {
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-using AttentionForward = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, double, double, int64_t, int64_t, bool);
-using PagedKvAppend = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
-using PagedAttention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, const at::Tensor&, double);
 
 // Positional arguments of one call, read in order; the first bad one raises a TypeError
 // naming the op and the argument.
@@ -112,7 +100,7 @@ PyObject* attention_forward(PyObject*, PyObject* const* args, Py_ssize_t count) 
   const bool bottom_right = read.boolean("bottom_right");
   std::tuple<at::Tensor, at::Tensor> result;
   {
-    static const auto op = find_op<AttentionForward>("mha_ext::attention_forward");
+    const auto& op = attention_forward_op();
     pybind11::gil_scoped_release no_gil;
     result = op.call(q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
   }
@@ -127,7 +115,7 @@ PyObject* paged_kv_append(PyObject*, PyObject* const* args, Py_ssize_t count) {
   at::Tensor k_cache = read.tensor("k_cache"), v_cache = read.tensor("v_cache");
   const at::Tensor slot_mapping = read.tensor("slot_mapping");
   {
-    static const auto op = find_op<PagedKvAppend>("mha_ext::paged_kv_append");
+    const auto& op = paged_kv_append_op();
     pybind11::gil_scoped_release no_gil;
     op.call(key, value, k_cache, v_cache, slot_mapping);
   }
@@ -144,7 +132,7 @@ PyObject* paged_attention(PyObject*, PyObject* const* args, Py_ssize_t count) {
   const double scale = read.real("scale");
   std::tuple<at::Tensor, at::Tensor> result;
   {
-    static const auto op = find_op<PagedAttention>("mha_ext::paged_attention");
+    const auto& op = paged_attention_op();
     pybind11::gil_scoped_release no_gil;
     result = op.call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
   }
