@@ -111,7 +111,8 @@ constexpr int kRowGroup =
 // Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
 // products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
 // accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
-// a time for 4 rows, which fit, decoded 10% slower from memory).
+// a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20% slower from memory,
+// with the row requests before each step or spread through its loop alike).
 template <int kRows>
 constexpr int kKeysPerStep =
 #if defined(CPU_CAPABILITY_AVX512)
