@@ -157,5 +157,9 @@ def test_direct_calls_name_an_argument_of_the_wrong_type():
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, -1, -1, 1)
     with pytest.raises(TypeError, match=r"mha_ext.attention_forward: scale must be a float, got str"):
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, "0.25", -1, -1, False)
+    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: window_left must be an int, got float"):
+        mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 1.0, -1, False)
+    with pytest.raises(OverflowError, match=r"int too big to convert"):  # Python's own, past int64
+        mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 2**64, -1, False)
     with pytest.raises(TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"):
         mha_ext._C.paged_attention(q[0], k, v, None, None, None)
