@@ -60,12 +60,13 @@ def generate(model: CausalLM, alphabet, new_tokens: int):
 def compare_speed(quick: bool):
     seq = 256 if quick else 1024
     device = torch.device("cpu")
-    ceilings = roofline.measure([torch.float32], device, quick=True)
+    probes = roofline.probes([torch.float32], device, quick=True)
+    ceilings = roofline.measure(probes, device, quick=True)
     print(f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, {torch.get_num_threads()} threads "
           f"(more: python -m mha_ext.bench):")
     for suite, backward in (("forward", False), ("forward_backward", True)):
         case = attention_case(suite, "gpt2-small", 12, 12, 64, seq, torch.float32, True, backward, device)
-        result = run_case(case, ceilings, device, repeats=3 if quick else 5)
+        result = run_case(case, ceilings, device, repeats=3 if quick else 5, probes=probes)
         print(report.format_suite(suite, [result], ceilings))
 
 

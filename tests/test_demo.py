@@ -36,6 +36,7 @@ def test_bench_suites_write_json_and_tables(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["roofline"]) == {"matmul_float32", "stream_read"}
     assert all(value > 0 for value in data["roofline"].values())
+    assert all(entry["roofline_rate"] > 0 for entry in data["results"])
     suites = [r["suite"] for r in data["results"]]
     assert suites.count("forward") == 2 and suites.count("gqa_prefill") == 1
     assert suites.count("paged_decode") == 3 and suites.count("cache_append") == 2
@@ -48,7 +49,8 @@ def test_bench_suites_write_json_and_tables(tmp_path):
             shape = entry["params"]
             layer_bytes = 2 * shape["batch"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * 4
             assert shape["layers"] >= 1 and shape["layers"] * layer_bytes >= 2 * cpu_cache_bytes()
-    for title in ("attention forward (GFLOP/s)", "paged decode (K/V read per step) (GB/s)", "us per token at context 64"):
+    for title in ("attention forward (GFLOP/s)", "paged decode (K/V read per step) (GB/s)", "us per token at context 64",
+                  "stream_read = ", "(with the cases: "):
         assert title in result.stdout
     pytest.importorskip("matplotlib")
     assert (tmp_path / "forward.png").stat().st_size > 0 and (tmp_path / "cache_append.png").stat().st_size > 0
@@ -104,6 +106,35 @@ def test_naive_attention_is_timed_only_where_its_matmuls_are_quick(matmul_gflops
     assert "mha_ext" in result["results"] and "torch_sdpa" in result["results"]
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, interleave):
+    # Fake clocks: each step's median is its fixed time, the probe's 2 s for 4 GFLOP (2 GFLOP/s,
+    # against 1000 at the run's start); the steps' call order shows the interleaving.
+    case = suites.attention_case("forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu"))
+    case.interleave = interleave
+    step_seconds = {"mha_ext": 0.001, "torch_sdpa": 0.002, "naive": 0.004, suites.ROOFLINE_PROBE: 2.0}
+    calls = []
+
+    def fake_median_seconds(steps, warmup, repeats, device):
+        for name in steps:
+            calls.append(name)
+        return {name: step_seconds[name] for name in steps}
+
+    monkeypatch.setattr(suites, "median_seconds", fake_median_seconds)
+    probe = roofline.Probe(lambda: None, 4e9)
+    result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1,
+                             probes={"matmul_float32": probe, "stream_read": roofline.Probe(lambda: None, 1.0)})
+    assert result["roofline_rate"] == pytest.approx(2.0)
+    assert suites.ROOFLINE_PROBE not in result["results"]
+    mha = result["results"]["mha_ext"]
+    assert mha["roofline_fraction"] == pytest.approx(case.work / 0.001 / 1e9 / 2.0)
+    assert mha["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert calls == ["mha_ext", "torch_sdpa", "naive", suites.ROOFLINE_PROBE]
+    without = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
+    assert without["roofline_rate"] == 1000.0
+    assert without["results"]["mha_ext"]["roofline_fraction"] == pytest.approx(case.work / 0.001 / 1e9 / 1000.0)
+
+
 @pytest.mark.parametrize("slow_from, sizes", [(512, [256, 512]), (None, [256, 512, 1024])])
 def test_matmul_roofline_grows_the_size_until_a_call_is_slow(monkeypatch, slow_from, sizes):
     # The size doubles from 256 until a call takes 50 ms or reaches max_size (1024 here).
@@ -111,9 +142,10 @@ def test_matmul_roofline_grows_the_size_until_a_call_is_slow(monkeypatch, slow_f
     monkeypatch.setattr(torch, "matmul", lambda a, b: called.append(a.shape[0]))
 
     def fake_median_seconds(steps, warmup, repeats, device):
-        steps["matmul"]()
+        (name, step), = steps.items()
+        step()
         slow = slow_from is not None and called[-1] >= slow_from
-        return {"matmul": 0.08 if slow else 0.001}
+        return {name: 0.08 if slow else 0.001}
 
     monkeypatch.setattr(roofline, "median_seconds", fake_median_seconds)
     gflops = roofline.matmul_gflops(torch.float32, torch.device("cpu"), max_size=1024)

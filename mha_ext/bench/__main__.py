@@ -4,8 +4,8 @@
     python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
-machine's roofline measured in the same run), and writes results.json and one PNG per suite
-(with matplotlib installed) to --out.
+machine's roofline, measured side by side with each case), and writes results.json and one
+PNG per suite (with matplotlib installed) to --out.
 """
 import argparse
 import platform
@@ -77,7 +77,8 @@ def main(argv=None):
     print(f"mha_ext {machine['mha_ext']['version']} ({machine['mha_ext']['cpu_isa']} CPU kernels), torch "
           f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}")
     print("measuring the roofline ...", flush=True)
-    ceilings = roofline.measure(dtypes, device, args.quick)
+    probes = roofline.probes(dtypes, device, args.quick)
+    ceilings = roofline.measure(probes, device, args.quick)
     print("roofline: " + ", ".join(f"{k} {v:.1f} {'GB/s' if k == 'stream_read' else 'GFLOP/s'}" for k, v in ceilings.items()))
 
     factories = build_cases(args.suite, args.models or sizes["models"], args.seq or sizes["seq"],
@@ -87,7 +88,7 @@ def main(argv=None):
     results = []
     for factory in factories:
         case = factory()
-        results.append(run_case(case, ceilings, device, repeats))
+        results.append(run_case(case, ceilings, device, repeats, probes))
         progress.update(case.label)
         del case  # free the case's tensors before the next one allocates
     progress.close()

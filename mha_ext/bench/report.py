@@ -21,7 +21,7 @@ def _contenders(results: List[Dict]) -> List[str]:
 
 def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) -> str:
     """One suite's table: each contender's throughput, mha_ext's ratio to the baseline and
-    its fraction of the measured roofline."""
+    its fraction of the roofline measured with the case (run_case)."""
     contenders = _contenders(results)
     unit = results[0]["unit"]
     baseline = results[0]["baseline"]
@@ -39,12 +39,18 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
         line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
         lines.append(line)
-    keys = sorted({r["roofline"] for r in results})
-    lines.append("roofline: " + ", ".join(
-        f"{key} = {roofline[key]:.1f} {'GB/s' if key == 'stream_read' else 'GFLOP/s'}" for key in keys))
+    lines.append("roofline: " + ", ".join(_roofline_summary(key, roofline[key], results)
+                                          for key in sorted({r["roofline"] for r in results})))
     if suite == "cache_append":
         lines += _append_summary(results)
     return "\n".join(lines)
+
+
+def _roofline_summary(key: str, headline: float, results: List[Dict]) -> str:
+    """key = its rate before the suites, and the range of its rates side by side with the cases."""
+    unit = "GB/s" if key == "stream_read" else "GFLOP/s"
+    rates = [r["roofline_rate"] for r in results if r["roofline"] == key]
+    return f"{key} = {headline:.1f} {unit} (with the cases: {min(rates):.1f} - {max(rates):.1f})"
 
 
 def _append_summary(results: List[Dict]) -> List[str]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import functional
 from ..kv_cache import PagedKVCache
 from ..reference import attention_reference
-from .roofline import cpu_cache_bytes
+from .roofline import Probe, cpu_cache_bytes
 from .timing import median_seconds
 
 # Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
@@ -40,6 +40,8 @@ NAIVE_MAX_SEQ = 1024
 NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
+# The step name of a case's roofline probe among its contenders' (run_case).
+ROOFLINE_PROBE = "roofline_probe"
 
 
 @dataclass
@@ -233,10 +235,14 @@ def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device,
     return factories
 
 
-def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repeats: int) -> Dict:
+def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repeats: int,
+             probes: Optional[Dict[str, Probe]] = None) -> Dict:
     """Times a case; returns its JSON-ready result. A contender with no kernel for this
     device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
-    where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed."""
+    where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
+    With probes, the probe of the case's roofline is timed with the contenders (interleaved
+    where they are) and the fractions are of its rate there, recorded as roofline_rate;
+    without, of roofline's (the run's headline ceilings)."""
     unsupported = {}
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -250,22 +256,25 @@ def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repea
         except (NotImplementedError, RuntimeError) as error:
             unsupported[name] = str(error).splitlines()[0]
             del case.steps[name]
+    probe = (probes or {}).get(case.roofline_key)
+    steps = dict(case.steps, **({ROOFLINE_PROBE: probe.step} if probe else {}))
     if case.interleave:
-        seconds = median_seconds(case.steps, warmup=1, repeats=repeats, device=device)
+        seconds = median_seconds(steps, warmup=1, repeats=repeats, device=device)
     else:
         seconds = {}
-        for name, step in case.steps.items():
+        for name, step in steps.items():
             seconds.update(median_seconds({name: step}, warmup=2, repeats=repeats, device=device))
+    ceiling = probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
         throughput = case.work * calls / step_seconds / 1e9
         results[name] = {"seconds_per_call": step_seconds / calls, "throughput": throughput,
-                         "roofline_fraction": throughput / roofline[case.roofline_key]}
+                         "roofline_fraction": throughput / ceiling}
     if case.baseline in results:
         baseline = results[case.baseline]["seconds_per_call"]
         for entry in results.values():
             entry["speedup_vs_baseline"] = baseline / entry["seconds_per_call"]
     return {"suite": case.suite, "label": case.label, "params": case.params, "unit": case.unit,
-            "roofline": case.roofline_key, "baseline": case.baseline, "results": results,
+            "roofline": case.roofline_key, "roofline_rate": ceiling, "baseline": case.baseline, "results": results,
             "unsupported": unsupported}
