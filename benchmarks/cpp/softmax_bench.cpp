@@ -13,13 +13,19 @@
 //
 //   build/cmake/softmax_bench            (CPUs with AVX512-BF16 only: the whole program is
 //                                         compiled for them; prints ns_per_score)
+//   build/cmake/softmax_bench_avx2       (the AVX2 kernels' fp32 step, CPUs with AVX2 + FMA)
 #include "bench_common.h"
 
-// The kernels' AVX-512 code, in the namespace kernels_avx512.cpp compiles it in (CMake
-// gives this target the matching -m flags).
+// The kernels' code for one ISA, in the namespace its kernels_<isa>.cpp compiles it in
+// (CMake builds this source once per ISA, with the matching -m flags).
 #pragma GCC diagnostic ignored "-Wpsabi"
+#if defined(MHA_EXT_BENCH_AVX2)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#endif
 #include "cpu/kernels/kernel_common.h"
 
 #include <cmath>
@@ -28,19 +34,20 @@
 namespace mha_ext::bench {
 namespace {
 
-using cpu::AVX512::kBlockQ;
+namespace kernels = cpu::CPU_CAPABILITY;
+using kernels::kBlockQ;
 
 struct ScoreTile {
   int64_t cols, head_dim_v;
   std::vector<float> tile, out, row_max, row_sum;  // [kBlockQ, cols], [kBlockQ, head_dim_v], [kBlockQ] x 2
-  std::vector<float> row_sums;                     // [kBlockQ, kSumLanes]
+  std::vector<float> row_sums;                     // [kBlockQ, 16 lanes]: kSumLanes of the AVX-512 build
   int64_t ld_probs;                                // cols rounded up to 32, as softmax_tile_to_probs writes
   std::vector<c10::BFloat16> probs;                // [kBlockQ, ld_probs]
 
   ScoreTile(int64_t cols_, int64_t head_dim_v_)
       : cols(cols_), head_dim_v(head_dim_v_), tile(kBlockQ * cols),
         out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f),
-        row_sums(kBlockQ * cpu::AVX512::kSumLanes, 1.f), ld_probs(cpu::AVX512::round_up(cols, 32)),
+        row_sums(kBlockQ * 16, 1.f), ld_probs(kernels::round_up(cols, int64_t(32))),
         probs(kBlockQ * ld_probs) {
     // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
     // 1 after the softmax scale. The running max starts above them, so the lazy rescale
@@ -62,7 +69,7 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
-    cpu::AVX512::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
+    kernels::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
                                      t.out.data(), t.head_dim_v, t.head_dim_v, scale);
     benchmark::DoNotOptimize(t.tile.data());
     benchmark::ClobberMemory();
@@ -70,12 +77,13 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
   count_scores(state, t);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
 // The bf16 forward's step (attention_forward_bf16_brgemm), P rounded to bf16.
 void BM_SoftmaxTileBf16(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
-    cpu::AVX512::softmax_tile_to_probs(t.tile.data(), t.cols, kBlockQ, t.cols, scale, t.row_max.data(),
+    kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kBlockQ, t.cols, scale, t.row_max.data(),
                                        t.row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, t.probs.data(),
                                        t.ld_probs);
     benchmark::DoNotOptimize(t.probs.data());
@@ -83,6 +91,7 @@ void BM_SoftmaxTileBf16(benchmark::State& state) {
   }
   count_scores(state, t);
 }
+#endif
 
 void register_all(const Options& options) {
   // The kernels' tiles: 64 keys in the fp32 kernels (kKeyBlock) and, from bf16_key_tile, 128
@@ -94,7 +103,9 @@ void register_all(const Options& options) {
   };
   const std::vector<Case> cases = {
       {"BM_SoftmaxTile/fp32", BM_SoftmaxTileFp32, {{64, 64}, {64, 128}}},
+#if defined(CPU_CAPABILITY_AVX512)
       {"BM_SoftmaxTile/bf16", BM_SoftmaxTileBf16, {{128, 64}, {64, 128}}},
+#endif
   };
   for (const Case& c : cases) {
     for (const auto& tile : options.smoke ? std::vector<std::vector<int64_t>>{{16, 16}} : c.tiles) {
