@@ -50,7 +50,7 @@ def test_bench_suites_write_json_and_tables(tmp_path):
             layer_bytes = 2 * shape["batch"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * 4
             assert shape["layers"] >= 1 and shape["layers"] * layer_bytes >= 2 * cpu_cache_bytes()
     for title in ("attention forward (GFLOP/s)", "paged decode (K/V read per step) (GB/s)", "us per token at context 64",
-                  "stream_read = ", "(with the cases: "):
+                  "stream_read = ", "(with the cases: ", "(with the case: "):
         assert title in result.stdout
     pytest.importorskip("matplotlib")
     assert (tmp_path / "forward.png").stat().st_size > 0 and (tmp_path / "cache_append.png").stat().st_size > 0

@@ -50,7 +50,8 @@ def _roofline_summary(key: str, headline: float, results: List[Dict]) -> str:
     """key = its rate before the suites, and the range of its rates side by side with the cases."""
     unit = "GB/s" if key == "stream_read" else "GFLOP/s"
     rates = [r["roofline_rate"] for r in results if r["roofline"] == key]
-    return f"{key} = {headline:.1f} {unit} (with the cases: {min(rates):.1f} - {max(rates):.1f})"
+    with_cases = f"the case: {rates[0]:.1f}" if len(rates) == 1 else f"the cases: {min(rates):.1f} - {max(rates):.1f}"
+    return f"{key} = {headline:.1f} {unit} (with {with_cases})"
 
 
 def _append_summary(results: List[Dict]) -> List[str]:
