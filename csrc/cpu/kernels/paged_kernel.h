@@ -41,7 +41,11 @@ void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_
 // Cached rows are requested this many positions before they are read. A sequence's blocks
 // lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
 // at every page boundary: without the requests, decode read a bf16 cache at 40% of the
-// streaming bandwidth, most of the time spent waiting on loads that missed.
+// streaming bandwidth, most of the time spent waiting on loads that missed. Further ahead
+// is worse: the next tile's 64 K and V rows requested during this tile's value pass (a line
+// of each per slice step, none in the score loop) decoded fp32 32q/8kv at 9.5 GB/s against
+// 14.5 on Zen 1. There the hint (t0, t1, nta) made no difference, so the requests likely
+// all fill L1, which a tile's rows (64 KiB of fp32 at head dim 128) overflow.
 constexpr int64_t kPrefetchRows = 16;
 
 // Requests the 64-byte line holding *address into the caches.
