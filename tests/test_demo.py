@@ -148,6 +148,8 @@ def test_matmul_roofline_grows_the_size_until_a_call_is_slow(monkeypatch, slow_f
         return {name: 0.08 if slow else 0.001}
 
     monkeypatch.setattr(roofline, "median_seconds", fake_median_seconds)
-    gflops = roofline.matmul_gflops(torch.float32, torch.device("cpu"), max_size=1024)
-    assert sorted(set(called)) == sizes
+    probe = roofline.matmul_probe(torch.float32, torch.device("cpu"), max_size=1024)
+    assert sorted(set(called)) == sizes and probe.work == 2.0 * sizes[-1] ** 3
+    gflops = probe.rate(torch.device("cpu"))
+    assert called[-1] == sizes[-1]  # the probe multiplies matrices of the size found
     assert gflops == pytest.approx(2.0 * sizes[-1] ** 3 / (0.08 if slow_from else 0.001) / 1e9)

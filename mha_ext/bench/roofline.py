@@ -38,11 +38,6 @@ def matmul_probe(dtype: torch.dtype, device: torch.device, max_size: int = 2048)
         size *= 2
 
 
-def matmul_gflops(dtype: torch.dtype, device: torch.device, max_size: int = 2048, repeats: int = 5) -> float:
-    # The size search's calls warmed the matrices up.
-    return matmul_probe(dtype, device, max_size).rate(device, warmup=0, repeats=repeats)
-
-
 def cpu_cache_bytes() -> int:
     """The largest CPU cache (Linux sysfs; 0 where unknown). Data meant to come from memory must
     be several times larger: this machine's VM reports a 480 MiB L3."""
