@@ -16,15 +16,15 @@
 //   build/cmake/softmax_bench_avx2       (the AVX2 kernels' fp32 step, CPUs with AVX2 + FMA)
 #include "bench_common.h"
 
-// The kernels' code for one ISA, in the namespace its kernels_<isa>.cpp compiles it in
-// (CMake builds this source once per ISA, with the matching -m flags).
+// The kernels' code for the ISA this program is compiled for (CMake builds this source once
+// per ISA, with that ISA's -m flags), in the namespace its kernels_<isa>.cpp compiles it in.
 #pragma GCC diagnostic ignored "-Wpsabi"
-#if defined(MHA_EXT_BENCH_AVX2)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
+#if defined(__AVX512F__)
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#else
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
 #endif
 #include "cpu/kernels/kernel_common.h"
 
@@ -40,15 +40,10 @@ using kernels::kBlockQ;
 struct ScoreTile {
   int64_t cols, head_dim_v;
   std::vector<float> tile, out, row_max, row_sum;  // [kBlockQ, cols], [kBlockQ, head_dim_v], [kBlockQ] x 2
-  std::vector<float> row_sums;                     // [kBlockQ, 16 lanes]: kSumLanes of the AVX-512 build
-  int64_t ld_probs;                                // cols rounded up to 32, as softmax_tile_to_probs writes
-  std::vector<c10::BFloat16> probs;                // [kBlockQ, ld_probs]
 
   ScoreTile(int64_t cols_, int64_t head_dim_v_)
       : cols(cols_), head_dim_v(head_dim_v_), tile(kBlockQ * cols),
-        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f),
-        row_sums(kBlockQ * 16, 1.f), ld_probs(kernels::round_up(cols, int64_t(32))),
-        probs(kBlockQ * ld_probs) {
+        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f) {
     // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
     // 1 after the softmax scale. The running max starts above them, so the lazy rescale
     // stays as rare as in a long row.
@@ -70,7 +65,7 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
     kernels::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
-                                     t.out.data(), t.head_dim_v, t.head_dim_v, scale);
+                                 t.out.data(), t.head_dim_v, t.head_dim_v, scale);
     benchmark::DoNotOptimize(t.tile.data());
     benchmark::ClobberMemory();
   }
@@ -82,11 +77,14 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
 void BM_SoftmaxTileBf16(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
+  std::vector<float> row_sums(kBlockQ * kernels::kSumLanes, 1.f);  // [kBlockQ, kSumLanes]
+  const int64_t ld_probs = kernels::round_up(t.cols, 32);          // as softmax_tile_to_probs writes
+  std::vector<c10::BFloat16> probs(kBlockQ * ld_probs);            // [kBlockQ, ld_probs]
   for (auto _ : state) {
     kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kBlockQ, t.cols, scale, t.row_max.data(),
-                                       t.row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, t.probs.data(),
-                                       t.ld_probs);
-    benchmark::DoNotOptimize(t.probs.data());
+                                   row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, probs.data(),
+                                   ld_probs);
+    benchmark::DoNotOptimize(probs.data());
     benchmark::ClobberMemory();
   }
   count_scores(state, t);

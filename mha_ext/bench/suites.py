@@ -257,7 +257,7 @@ def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repea
             unsupported[name] = str(error).splitlines()[0]
             del case.steps[name]
     probe = (probes or {}).get(case.roofline_key)
-    steps = dict(case.steps, **({ROOFLINE_PROBE: probe.step} if probe else {}))
+    steps = {**case.steps, ROOFLINE_PROBE: probe.step} if probe else case.steps
     if case.interleave:
         seconds = median_seconds(steps, warmup=1, repeats=repeats, device=device)
     else:
