@@ -39,10 +39,12 @@ template <typename T>
 MHA_EXT_HOST_DEVICE MergedState<T> merge_softmax_states(T lse_a, T lse_b) {
   const T max_lse = lse_a > lse_b ? lse_a : lse_b;
   if (max_lse == -INFINITY) return {T(0), T(0), max_lse};
-  const T scaled_a = exp(lse_a - max_lse);
-  const T scaled_b = exp(lse_b - max_lse);
+  // std:: names the float overloads; unqualified exp and log found the C library's double
+  // versions on the host, and host and device then merged with different functions.
+  const T scaled_a = std::exp(lse_a - max_lse);
+  const T scaled_b = std::exp(lse_b - max_lse);
   const T total = scaled_a + scaled_b;
-  return {scaled_a / total, scaled_b / total, max_lse + log(total)};
+  return {scaled_a / total, scaled_b / total, max_lse + std::log(total)};
 }
 
 }  // namespace mha_ext
