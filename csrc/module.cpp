@@ -26,6 +26,7 @@ bool set_item(PyObject* dict, const char* key, PyObject* value) {
   return status == 0;
 }
 
+#if defined(MHA_EXT_WITH_CUDA)
 // "8.0,9.0" -> ["8.0", "9.0"]
 PyObject* split_list(const std::string& items) {
   PyObject* list = PyList_New(0);
@@ -40,6 +41,7 @@ PyObject* split_list(const std::string& items) {
   }
   return list;
 }
+#endif
 
 PyObject* build_info(PyObject*, PyObject*) {
   const char* active_isa = nullptr;
