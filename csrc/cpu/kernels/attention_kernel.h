@@ -237,8 +237,8 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
     acc_t* v_tile = kt_tile + p.head_dim * kBlockK;         // [kBlockK, ld_dv]
     acc_t* s_tile = v_tile + kBlockK * ld_dv;               // [kBlockQ, kBlockK]
     acc_t* o_tiles = s_tile + kBlockQ * kBlockK;            // [sub_blocks, kBlockQ, ld_dv]
-    acc_t* row_max = o_tiles + sub_rows * ld_dv;            // [sub_blocks, kBlockQ]
-    acc_t* row_sum = row_max + sub_rows;                    // [sub_blocks, kBlockQ]
+    acc_t* row_max_log2 = o_tiles + sub_rows * ld_dv;       // [sub_blocks, kBlockQ]
+    acc_t* row_sum = row_max_log2 + sub_rows;               // [sub_blocks, kBlockQ]
     acc_t* staging = row_sum + sub_rows;                    // [kBlockK, head_dim]
 
     for (int64_t index = begin; index < end; ++index) {
@@ -252,7 +252,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
         load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kBlockQ * ld_d, ld_d,
                   static_cast<acc_t>(p.scale));
       }
-      reset_rows(task, ld_dv, o_tiles, row_max, row_sum);
+      reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sum);
 
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kBlockK) {
@@ -269,7 +269,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           // S = Q K^T   [rows, cols]
           tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
           mask_scores_tile<scalar_t>(s_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-          online_softmax_tile(s_tile, kBlockK, rows, cols, row_max + i * kBlockQ, row_sum + i * kBlockQ,
+          online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2 + i * kBlockQ, row_sum + i * kBlockQ,
                               o_tile, ld_dv, p.head_dim_v);
           // Dropout acts on the normalised probabilities, after their sum was taken.
           for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
@@ -279,7 +279,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
         }
       }
-      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max, row_sum);
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sum, /*sum_lanes=*/1, /*max_unit=*/kLn2);
     }
   });
 }
@@ -316,9 +316,10 @@ struct BackwardTask {
   int64_t offset(const RowStrides& strides) const { return batch * strides.batch + kv_head * strides.head; }
 };
 
-// P = exp(score_scale * S - lse) in place over the rows of a tile whose scores are masked
-// (p_tile [rows, ld]); a row with lse -inf saw no key and gets P = 0. Both backward kernels
-// recompute P this way; the fp32 one passes score_scale 1 (its Q was scaled on load).
+// P = exp(score_scale * S - lse), as 2^(score_scale log2(e) S - lse log2(e)), in place over
+// the rows of a tile whose scores are masked (p_tile [rows, ld]); a row with lse -inf saw no
+// key and gets P = 0. Both backward kernels recompute P this way; the fp32 one passes
+// score_scale 1 (its Q was scaled on load).
 template <typename acc_t>
 void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse, acc_t score_scale) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -328,7 +329,7 @@ void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const
       std::fill(s, s + cols, acc_t(0));
       continue;
     }
-    exp_row(s, cols, score_scale, -row_lse);
+    exp2_row(s, cols, static_cast<acc_t>(score_scale * kLog2e), static_cast<acc_t>(-row_lse * kLog2e));
   }
 }
 

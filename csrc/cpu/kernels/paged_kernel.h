@@ -342,8 +342,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
     acc_t* v_tile = kt_tile + p.head_dim * kBlockK;        // [kBlockK, ld_dv]
     acc_t* s_tile = v_tile + kBlockK * ld_dv;              // [tile_rows, kBlockK]
     acc_t* o_tile = s_tile + tile_rows * kBlockK;          // [tile_rows, ld_dv]
-    acc_t* row_max = o_tile + tile_rows * ld_dv;           // [tile_rows]
-    acc_t* row_sum = row_max + tile_rows;                  // [tile_rows]
+    acc_t* row_max_log2 = o_tile + tile_rows * ld_dv;      // [tile_rows]
+    acc_t* row_sum = row_max_log2 + tile_rows;             // [tile_rows]
     acc_t* staging = row_sum + tile_rows;                  // [kBlockK, head_dim]
 
     for (int64_t task = begin; task < end; ++task) {
@@ -374,7 +374,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
       }
       std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
-      std::fill(row_max, row_max + rows, kMinusInf);
+      std::fill(row_max_log2, row_max_log2 + rows, kMinusInf);
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
       const bool direct = rows <= kDirectRows;
@@ -403,7 +403,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
           std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
         }
-        online_softmax_tile(s_tile, kBlockK, rows, cols, row_max, row_sum, o_tile, ld_dv, p.head_dim_v);
+        online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
@@ -424,12 +424,12 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
                           head * p.out_strides.head;
           static_cast<acc_t*>(p.lse)[lse_index] =
-              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r], out);
+              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max_log2[r] * kLn2, row_sum[r], out);
         } else {
           acc_t* partial = static_cast<acc_t*>(p.partial_out) +
                            (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
           static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
-              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max[r], row_sum[r], partial);
+              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max_log2[r] * kLn2, row_sum[r], partial);
         }
       }
     }
