@@ -277,6 +277,21 @@ def test_scores_that_outgrow_the_running_max(dtype, causal):
     check_backward(q, k, v, kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(dtype):
+    # A NaN score must leave the softmax's exp as NaN, as in torch SDPA, and reach no row that
+    # cannot see it: the exps zero only arguments that compare below their cut-off, and the
+    # AVX2 one builds 2^n from the bits of its rounded argument, where only the multiply by
+    # the polynomial keeps a NaN a NaN. Key 70 (the second key tile) of kv head 1, which
+    # query heads 2 and 3 read, holds one NaN; causal rows before 70 never see it.
+    q, k, v = random_qkv(1, 4, 2, 100, 100, 64, dtype=dtype)
+    k[0, 1, 70, 5] = float("nan")
+    out = mha_ext.attention(q, k, v, causal="top_left")
+    sees_key = torch.arange(100) >= 70
+    assert out[0, 2:, sees_key].isnan().all()
+    assert torch.isfinite(out[0, 2:, ~sees_key]).all() and torch.isfinite(out[0, :2]).all()
+
+
 def test_bf16_outputs_keep_subnormal_values():
     # bf16 outputs below the smallest normal (1.2e-38) must round as torch's conversion does,
     # not flush to zero (the CPU kernels' fast bf16 rounding instruction alone would). With

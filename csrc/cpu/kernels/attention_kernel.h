@@ -322,6 +322,7 @@ struct BackwardTask {
 // score_scale 1 (its Q was scaled on load).
 template <typename acc_t>
 void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse, acc_t score_scale) {
+  const acc_t scale_log2 = static_cast<acc_t>(score_scale * kLog2e);
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* s = p_tile + r * ld;
     const acc_t row_lse = lse[r];
@@ -329,7 +330,7 @@ void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const
       std::fill(s, s + cols, acc_t(0));
       continue;
     }
-    exp2_row(s, cols, static_cast<acc_t>(score_scale * kLog2e), static_cast<acc_t>(-row_lse * kLog2e));
+    exp2_row(s, cols, scale_log2, static_cast<acc_t>(-row_lse * kLog2e));
   }
 }
 

@@ -359,8 +359,9 @@ acc_t exp2_row(acc_t* s, int64_t cols, acc_t scale_log2, acc_t bias_log2) {
 }
 
 // How far (in natural units) a tile's scores may exceed a row's running max before the
-// online softmax moves the max and rescales.
+// online softmax moves the max and rescales; the same in the log2 units of the kernels' maxima.
 constexpr int kRescaleMargin = 8;
+constexpr double kRescaleMarginLog2 = kRescaleMargin * kLog2e;
 
 // Whether some lane of v is above bound (not a NaN lane).
 template <typename acc_t>
@@ -391,7 +392,7 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
   constexpr int64_t kWidth = Vec::size();
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const acc_t scale_log2 = static_cast<acc_t>(score_scale * kLog2e);
-  const acc_t margin_log2 = static_cast<acc_t>(kRescaleMargin * kLog2e);
+  const acc_t margin_log2 = static_cast<acc_t>(kRescaleMarginLog2);
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t* s = s_tile + r * ld_s;
     Vec highest_even(kMinusInf), highest_odd(kMinusInf);  // two chains of maxima, overlapped
@@ -496,7 +497,7 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
       _mm512_storeu_si512(p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0])));
     }
   }
-  const __m512 margin = _mm512_set1_ps(static_cast<float>(kRescaleMargin * kLog2e));
+  const __m512 margin = _mm512_set1_ps(static_cast<float>(kRescaleMarginLog2));
   if (check && _mm512_cmp_ps_mask(highest, margin, _CMP_GT_OQ) != 0) return false;
   _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), total));
   return true;
