@@ -112,6 +112,55 @@ constexpr int kRowGroup =
     std::is_same_v<scalar_t, acc_t> ? 4 : kDirectRows;
 #endif
 
+// Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
+// spread over the pass's steps, while its score pass requests only its own value rows. The
+// other plan requests both in the score pass (a key row kPrefetchRows ahead and the value row
+// of the key being scored) and leaves memory idle while the values pass, a third of an fp32
+// 4-row tile's time on Zen 1. Measured there in a standalone decode harness (8 sequences,
+// context 4096, fp32, two threads, rounds alternating old and new builds; with score_keys'
+// two chains, without which this plan gained nothing): one head per kv head (llama2-7b)
+// median 17.8 against 16.0 GB/s; 32q/8kv 16.3 against 16.0, 16.0 against 15.3 and 16.5
+// against 15.5 in three sessions of ten rounds. 8-row tiles (llama2-70b, 10.1 against 10.8)
+// and bf16 caches (8.9 against 9.6) are bound by their arithmetic and lost to the value
+// pass's extra work. AVX-512 keeps its measured plan.
+template <typename scalar_t>
+constexpr bool value_pass_requests_keys(int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return false;
+#else
+  return sizeof(scalar_t) == 4 && rows <= kRowGroup<scalar_t, scalar_t>;
+#endif
+}
+
+// The lines of a list of rows, requested a few per step of a loop so that all are asked for
+// by its last step: the value pass requests the next tile's key rows so.
+template <typename scalar_t>
+class LineRequests {
+ public:
+  LineRequests() = default;
+  LineRequests(const scalar_t* const* rows, int64_t count, int64_t dim)
+      : rows_(rows), count_(count), row_bytes_(dim * static_cast<int64_t>(sizeof(scalar_t))) {}
+
+  // Spreads the lines over `steps` calls of step().
+  void pace(int64_t steps) { per_step_ = ceil_div(count_ * ceil_div(row_bytes_, 64), std::max<int64_t>(steps, 1)); }
+
+  C10_ALWAYS_INLINE void step() {
+    for (int64_t i = 0; i < per_step_ && row_ < count_; ++i) {
+      request_line(reinterpret_cast<const char*>(rows_[row_]) + byte_);
+      byte_ += 64;
+      if (byte_ >= row_bytes_) {
+        byte_ = 0;
+        ++row_;
+      }
+    }
+  }
+
+ private:
+  const scalar_t* const* rows_ = nullptr;
+  int64_t count_ = 0, row_bytes_ = 0, per_step_ = 0;
+  int64_t row_ = 0, byte_ = 0;  // the next line: byte_ of rows_[row_]
+};
+
 // Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
 // products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
 // accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
@@ -125,8 +174,10 @@ constexpr int kKeysPerStep =
     1;
 #endif
 
-// The two rows a one-key score step requests while it walks its key row (kRequestRows): the
-// key row kPrefetchRows ahead (dim elements) and the value row of the key being scored.
+// What a one-key score step requests while it walks its key row: nothing, the value row of
+// the key being scored, or that and the key row kPrefetchRows ahead (dim elements).
+enum class ScoreLoopRequests { kNone, kValue, kKeyAheadAndValue };
+
 template <typename scalar_t>
 struct RowRequests {
   const scalar_t* key_ahead;
@@ -148,46 +199,75 @@ constexpr bool kRequestRowsInScoreLoop =
 #endif
 
 // scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
-// is loaded and converted once for all rows. kRequestRows: also requests `requests`' rows.
-template <int kRows, int kKeys, bool kRequestRows, typename scalar_t, typename acc_t>
+// is loaded and converted once for all rows. kRequests: which of `requests`' rows it requests.
+template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim,
                                   acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  Vec acc[kKeys * kRows];  // acc[j * kRows + r]: q[r] . keys[j]
-  unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = Vec(acc_t(0)); });
-  // Whole vectors; the loops over rows and keys are written out (unrolled) so that acc lives
-  // in registers.
-  int64_t d = 0;
-  for (; d + kWidth <= dim; d += kWidth) {
-    if constexpr (kRequestRows) {
+  // Accumulator chains per dot product: one fp32 key's kRows FMAs per vector are too few to
+  // cover the FMA latency, so even and odd vectors go to two chains. On Zen 1 that scores
+  // faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one core); from memory it
+  // pays only where the value pass requests the keys (value_pass_requests_keys), as a
+  // shorter score pass that requests them all left more of the tile's time to the value
+  // pass without reads (13.0 against 14.3 GB/s). Each vector's loads come before its FMAs,
+  // row by row alternating chains: chain by chain, the same plan read 15.2 against 16.5.
+  constexpr int kChains = kKeys == 1 && std::is_same_v<scalar_t, acc_t> ? 2 : 1;
+  Vec acc[kChains][kKeys * kRows];  // acc[chain][j * kRows + r]: part of q[r] . keys[j]
+  unrolled<kChains * kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    acc[i / (kKeys * kRows)][i % (kKeys * kRows)] = Vec(acc_t(0));
+  });
+  auto request_lines = [&](int64_t d) C10_ALWAYS_INLINE_ATTRIBUTE {
+    if constexpr (kRequests != ScoreLoopRequests::kNone) {
       if (d * static_cast<int64_t>(sizeof(scalar_t)) % 64 == 0) {
-        request_line(requests.key_ahead + d);
+        if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue) request_line(requests.key_ahead + d);
         if (d < requests.value_dim) request_line(requests.value + d);
       }
     }
-    Vec k[kKeys];
-    unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[j] = load_as<acc_t>(keys[j] + d, kWidth); });
+  };
+  // kChains vectors from d on, vector c into chain c.
+  auto step = [&](int64_t d, auto chains) C10_ALWAYS_INLINE_ATTRIBUTE {
+    Vec k[chains][kKeys];
+    unrolled<chains * kKeys>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+      constexpr int chain = i / kKeys, j = i % kKeys;
+      k[chain][j] = load_as<acc_t>(keys[j] + d + chain * kWidth, kWidth);
+    });
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-      // One load of q's vector for the kKeys keys: given it as an FMA operand, GCC loads
-      // it again for each key, and the loads outnumber the FMAs. With one key, the load
-      // folded into the FMA is the same load in fewer instructions: on Zen 1 bf16 decode
-      // ran 4-18% faster so (32q/8kv and llama2-70b heads), fp32 within the noise.
-      Vec q_r = Vec::loadu(q + r * ld_q + d);
-      if constexpr (kKeys > 1) keep_in_register(q_r);
-      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        acc[j * kRows + r] = at::vec::fmadd(q_r, k[j], acc[j * kRows + r]);
+      unrolled<chains>([&](auto chain) C10_ALWAYS_INLINE_ATTRIBUTE {
+        // One load of q's vector for the kKeys keys: given it as an FMA operand, GCC loads
+        // it again for each key, and the loads outnumber the FMAs. With one key, the load
+        // folded into the FMA is the same load in fewer instructions: on Zen 1 bf16 decode
+        // ran 4-18% faster so (32q/8kv and llama2-70b heads), fp32 within the noise.
+        Vec q_r = Vec::loadu(q + r * ld_q + d + chain * kWidth);
+        if constexpr (kKeys > 1) keep_in_register(q_r);
+        unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          acc[chain][j * kRows + r] = at::vec::fmadd(q_r, k[chain][j], acc[chain][j * kRows + r]);
+        });
       });
     });
+  };
+  // Whole vectors; the loops over rows and keys are written out (unrolled) so that acc lives
+  // in registers.
+  int64_t d = 0;
+  for (; d + kChains * kWidth <= dim; d += kChains * kWidth) {
+    request_lines(d);
+    step(d, std::integral_constant<int, kChains>{});
   }
-  if constexpr (kRequestRows) {  // the lines the loop did not reach
+  if constexpr (kChains > 1) {
+    for (; d + kWidth <= dim; d += kWidth) {
+      request_lines(d);
+      step(d, std::integral_constant<int, 1>{});
+    }
+    unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[0][i] = acc[0][i] + acc[1][i]; });
+  }
+  if constexpr (kRequests != ScoreLoopRequests::kNone) {  // the lines the loop did not reach
     const int64_t next = round_up(d * static_cast<int64_t>(sizeof(scalar_t)), int64_t(64)) /
                          static_cast<int64_t>(sizeof(scalar_t));
-    prefetch_row(requests.key_ahead, dim, next);
+    if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue) prefetch_row(requests.key_ahead, dim, next);
     prefetch_row(requests.value, requests.value_dim, next);
   }
   acc_t sums[kKeys * kRows];
-  horizontal_sums(acc, sums);
+  horizontal_sums(acc[0], sums);
   // The ragged end in scalars: as masked vectors, GCC kept acc on the stack (zeroed and
   // stored for every key) to share it between the two loops.
   for (; d < dim; ++d) {
@@ -204,7 +284,9 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
 // keys read in place. Value row c is requested as key c is scored, so that the rest of the
 // score pass lies between the request and the value pass's read: requested kPrefetchRows
 // rows ahead within the value pass, whose slices go through a row in a few cycles, the
-// requests came too late and half of decode's samples (perf) sat on value loads.
+// requests came too late and half of decode's samples (perf) sat on value loads. Key rows
+// kPrefetchRows ahead are requested here too, unless the value pass requests them
+// (value_pass_requests_keys).
 template <int kRows, typename scalar_t, typename acc_t>
 void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, const scalar_t* const* value_rows,
                 int64_t cols, int64_t dim, int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
@@ -213,17 +295,21 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
   // Rows [0, kFirstRows) and [kFirstRows, kRows) score the same keys in turn.
   auto score = [&](auto kKeys, int64_t c) {
     constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
+    constexpr bool kKeysAhead = !value_pass_requests_keys<scalar_t>(kRows);
+    constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
+                                            : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
+                                                         : ScoreLoopRequests::kValue;
     const RowRequests<scalar_t> requests{keys.row_ahead(c), value_rows[c], dim_v};
     if constexpr (!kInLoop) {
       for (int j = 0; j < kKeys; ++j) {
-        keys.prefetch(c + j, dim);
+        if constexpr (kKeysAhead) keys.prefetch(c + j, dim);
         prefetch_row(value_rows[c + j], dim_v);
       }
     }
-    score_keys<kFirstRows, kKeys, kInLoop>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
+    score_keys<kFirstRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
     if constexpr (kLastRows > 0) {
-      score_keys<kLastRows, kKeys, false>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
-                                          s_tile + kFirstRows * ld_s + c, ld_s, requests);
+      score_keys<kLastRows, kKeys, ScoreLoopRequests::kNone>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
+                                                             s_tile + kFirstRows * ld_s + c, ld_s, requests);
     }
   };
   constexpr int kKeys = kKeysPerStep<kFirstRows>;
@@ -236,10 +322,13 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
 // vectors): O's slice stays in registers while the tile's values pass by. kFull: the slice
 // lies inside dim; otherwise its vectors are cut at dim (lanes past it read and add 0). Full
 // slices are their own instantiation so that their loads carry no lane-count checks (GCC
-// kept a compare and branch per load in the loop over keys).
-template <int kRows, int kVectors, bool kFull, typename scalar_t, typename acc_t>
+// kept a compare and branch per load in the loop over keys). kRequestAhead: a step of
+// `ahead` per key, on a copy that lives in registers (through the reference, GCC stored its
+// position back to memory at every step).
+template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
-                                              int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o) {
+                                              int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
+                                              LineRequests<scalar_t>& ahead) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
@@ -249,7 +338,9 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
   });
+  LineRequests<scalar_t> requests = ahead;
   for (int64_t c = 0; c < cols; ++c) {
+    if constexpr (kRequestAhead) requests.step();
     Vec v[kVectors];
     unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
       v[j] = load_as<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
@@ -265,6 +356,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i].store(o + r * ld_o + d0 + j * kWidth, width[j]);
   });
+  ahead = requests;
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -282,18 +374,23 @@ template <int kRows>
 constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
-// place (score_tile requested them), a group of rows and a slice of O at a time.
+// place (score_tile requested them), a group of rows and a slice of O at a time. Where the
+// value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
+// requested spread over the pass.
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
-                       int64_t dim, acc_t* o, int64_t ld_o) {
+                       int64_t dim, acc_t* o, int64_t ld_o, LineRequests<scalar_t>& next_keys) {
   constexpr int kGroupRows = std::min(kRows, kRowGroup<scalar_t, acc_t>);
   constexpr int kVectors = kValueVectors<kGroupRows>;
+  constexpr int kGroups = ceil_div(kRows, kGroupRows);
+  constexpr bool kRequestAhead = value_pass_requests_keys<scalar_t>(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
+  if constexpr (kRequestAhead) next_keys.pace(ceil_div(dim, slice_width) * kGroups * cols);
   auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
-    unrolled<ceil_div(kRows, kGroupRows)>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+    unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr int r0 = group * kGroupRows;
-      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull>(
-          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o);
+      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead>(
+          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys);
     });
   };
   int64_t d0 = 0;
@@ -378,7 +475,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
       const bool direct = rows <= kDirectRows;
-      TileRows<scalar_t> k_rows, v_rows;
+      const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
+      TileRows<scalar_t> k_rows, v_rows, next_k_rows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
         k_rows.listed = v_rows.listed = std::min(cols + kPrefetchRows, key_end - key0);
@@ -386,6 +484,9 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
                    k_rows.rows);
         cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
                    v_rows.rows);
+        if (keys_in_value_pass && key0 == key_begin) {
+          for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);  // no value pass did
+        }
         if (direct) {
           // S = Q K^T from the cached key rows: no K^T tile to build.
           dispatch_direct_rows(rows, [&](auto kRows) {
@@ -405,9 +506,16 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         }
         online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
+          LineRequests<scalar_t> next_keys;
+          if (keys_in_value_pass && key0 + kBlockK < key_end) {
+            next_k_rows.listed = std::min(kBlockK, key_end - key0 - kBlockK);
+            cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
+                       next_k_rows.listed, next_k_rows.rows);
+            next_keys = LineRequests<scalar_t>(next_k_rows.rows, next_k_rows.listed, p.head_dim);
+          }
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, o_tile, ld_dv);
+            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, o_tile, ld_dv, next_keys);
           });
         } else {
           gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
