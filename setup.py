@@ -65,32 +65,27 @@ if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.i
 from torch.utils import cpp_extension  # noqa: E402
 
 
+def sources(*groups):
+    """The paths of csrc/sources.txt's groups, in the file's order (which is the build order
+    the file explains)."""
+    found = []
+    for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            group, path = line.split()
+            if group in groups:
+                found.append(path)
+    return found
+
+
 def cpu_sources():
-    """C++ sources. The portable kernel build comes before the ISA builds: where several
-    kernel translation units emit the same inline function, the linker keeps the first copy,
-    and only the portable one runs on every CPU."""
-    kernels = ["kernels_default.cpp"]
+    groups = ["python", "cpu", "kernels"]
     if platform.machine() in ("x86_64", "AMD64"):
-        kernels += ["kernels_avx2.cpp", "kernels_avx512.cpp"]
-    return [
-        "csrc/module.cpp",
-        "csrc/python_calls.cpp",
-        "csrc/ops.cpp",
-        "csrc/autograd.cpp",
-        "csrc/attention_checks.cpp",
-        "csrc/cpu/isa.cpp",
-        "csrc/paged_checks.cpp",
-        "csrc/cpu/attention_cpu.cpp",
-        "csrc/cpu/paged_cpu.cpp",
-        "csrc/cpu/kernels/append.cpp",
-    ] + [f"csrc/cpu/kernels/{name}" for name in kernels]
+        groups.append("kernels_x86")
+    return sources(*groups)
 
 
 def cuda_sources():
-    kernels = ["attention.cu", "attention_mma.cu", "dropout_mask.cu", "paged.cu"]
-    return ["csrc/cuda/device_ops.cpp", "csrc/cuda/register_cuda.cpp"] + [
-        f"csrc/cuda/kernels/{name}" for name in kernels
-    ]
+    return sources("cuda", "cuda_kernels")
 
 
 def tensor_core_head_dims():
