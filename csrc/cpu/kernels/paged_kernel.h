@@ -116,13 +116,13 @@ constexpr int kRowGroup =
 // spread over the pass's steps, while its score pass requests only its own value rows. The
 // other plan requests both in the score pass (a key row kPrefetchRows ahead and the value row
 // of the key being scored) and leaves memory idle while the values pass, a third of an fp32
-// 4-row tile's time on Zen 1. Measured there in a standalone decode harness (8 sequences,
-// context 4096, fp32, two threads, rounds alternating old and new builds; with score_keys'
-// two chains, without which this plan gained nothing): one head per kv head (llama2-7b)
-// median 17.8 against 16.0 GB/s; 32q/8kv 16.3 against 16.0, 16.0 against 15.3 and 16.5
-// against 15.5 in three sessions of ten rounds. 8-row tiles (llama2-70b, 10.1 against 10.8)
-// and bf16 caches (8.9 against 9.6) are bound by their arithmetic and lost to the value
-// pass's extra work. AVX-512 keeps its measured plan.
+// 4-row tile's time on Zen 1. Measured there (8 sequences, context 4096, fp32, two threads,
+// rounds alternating old and new builds; with score_keys' two chains, without which this
+// plan gained nothing): through the op, the benchmark's decode case, one head per kv head
+// (llama2-7b) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the noise);
+// a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against 15.3-16.0.
+// 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
+// by their arithmetic and lost to the value pass's extra work. AVX-512 keeps its plan.
 template <typename scalar_t>
 constexpr bool value_pass_requests_keys(int64_t rows) {
 #if defined(CPU_CAPABILITY_AVX512)
