@@ -476,12 +476,17 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
 
       const bool direct = rows <= kDirectRows;
       const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
-      TileRows<scalar_t> k_rows, v_rows, next_k_rows;
+      TileRows<scalar_t> k_rows, v_rows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
-        k_rows.listed = v_rows.listed = std::min(cols + kPrefetchRows, key_end - key0);
-        cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
-                   k_rows.rows);
+        v_rows.listed = std::min(cols + kPrefetchRows, key_end - key0);
+        // Past the first tile, the value pass that requested the keys listed them in k_rows.
+        const bool keys_listed = keys_in_value_pass && key0 != key_begin;
+        if (!keys_listed) {
+          k_rows.listed = v_rows.listed;
+          cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
+                     k_rows.rows);
+        }
         cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
                    v_rows.rows);
         if (keys_in_value_pass && key0 == key_begin) {
@@ -507,11 +512,11 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2, row_sum, o_tile, ld_dv, p.head_dim_v);
         if (direct) {
           LineRequests<scalar_t> next_keys;
-          if (keys_in_value_pass && key0 + kBlockK < key_end) {
-            next_k_rows.listed = std::min(kBlockK, key_end - key0 - kBlockK);
+          if (keys_in_value_pass && key0 + kBlockK < key_end) {  // this tile's keys are scored: reuse k_rows
+            k_rows.listed = std::min(kBlockK, key_end - key0 - kBlockK);
             cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
-                       next_k_rows.listed, next_k_rows.rows);
-            next_keys = LineRequests<scalar_t>(next_k_rows.rows, next_k_rows.listed, p.head_dim);
+                       k_rows.listed, k_rows.rows);
+            next_keys = LineRequests<scalar_t>(k_rows.rows, k_rows.listed, p.head_dim);
           }
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
