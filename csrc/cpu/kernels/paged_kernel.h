@@ -479,11 +479,15 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       TileRows<scalar_t> k_rows, v_rows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
-        v_rows.listed = std::min(cols + kPrefetchRows, key_end - key0);
+        // Rows past the tile are listed only for the loops that request them kPrefetchRows
+        // ahead: the gathered path's copies, and the direct score pass's keys where the value
+        // pass does not request them. The direct path requests value rows as it scores keys.
+        const int64_t with_ahead = std::min(cols + kPrefetchRows, key_end - key0);
+        v_rows.listed = direct ? cols : with_ahead;
         // Past the first tile, the value pass that requested the keys listed them in k_rows.
         const bool keys_listed = keys_in_value_pass && key0 != key_begin;
         if (!keys_listed) {
-          k_rows.listed = v_rows.listed;
+          k_rows.listed = keys_in_value_pass ? cols : with_ahead;
           cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
                      k_rows.rows);
         }
