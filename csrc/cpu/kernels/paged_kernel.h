@@ -161,6 +161,81 @@ class LineRequests {
   int64_t row_ = 0, byte_ = 0;  // the next line: byte_ of rows_[row_]
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// Whether the direct path widens a cache's rows to fp32 16 elements at a time
+// (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
+// (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and shifting;
+// one 32-byte load and two bit operations give 16, out of order (the even elements, then the
+// odd). The tile's q rows and O rows keep each whole group of 16 elements in that order
+// (reorder_groups_of_16): a dot product or an elementwise sum takes its terms in any order.
+// Measured on Zen 1 (the kernel called directly, 8 sequences x context 4096, a bf16 decode
+// being bound by its arithmetic there): on one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv
+// 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows, whose accumulators leave no room for a second
+// chain); on two, medians of 10 rounds alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9
+// and 5.77 -> 6.02.
+template <typename scalar_t>
+constexpr bool kWidenInPairs =
+#if defined(CPU_CAPABILITY_AVX2)
+    std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+    false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// src[0, 16) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
+// high half of the fp32 of the same value, so shifting each 32-bit lane left by 16 gives its
+// low element and clearing the lane's low half its high one.
+C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
+// Reorders each whole group of 16 elements of row[0, dim) from natural order to the order
+// widen_bf16_pairs gives (elements 0, 2, .., 14, then 1, 3, .., 15) or, with to_pairs false,
+// back. Elements past the last whole group stay in place. Once per tile row and task.
+template <typename acc_t>
+void reorder_groups_of_16(acc_t* row, int64_t dim, bool to_pairs) {
+  for (int64_t group = 0; group + 16 <= dim; group += 16) {
+    acc_t copy[16];
+    std::copy(row + group, row + group + 16, copy);
+    for (int i = 0; i < 8; ++i) {
+      if (to_pairs) {
+        row[group + i] = copy[2 * i];
+        row[group + 8 + i] = copy[2 * i + 1];
+      } else {
+        row[group + 2 * i] = copy[i];
+        row[group + 2 * i + 1] = copy[8 + i];
+      }
+    }
+  }
+}
+
+// src[0, 2 * vector width) as two fp32 vectors, first and second, for a two-vector step: in
+// natural order, or in widen_bf16_pairs' order where kWidenInPairs.
+template <typename scalar_t, typename acc_t>
+C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized<acc_t>& first,
+                                        at::vec::Vectorized<acc_t>& second) {
+  constexpr int64_t kWidth = at::vec::Vectorized<acc_t>::size();
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kWidenInPairs<scalar_t>) {
+    __m256 even, odd;
+    widen_bf16_pairs(src, even, odd);
+    first = even;
+    second = odd;
+    return;
+  }
+#endif
+  first = load_as<acc_t>(src, kWidth);
+  second = load_as<acc_t>(src + kWidth, kWidth);
+}
+
 // Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
 // products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
 // accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
@@ -205,14 +280,20 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
                                   acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  // Accumulator chains per dot product: one fp32 key's kRows FMAs per vector are too few to
-  // cover the FMA latency, so even and odd vectors go to two chains. On Zen 1 that scores
-  // faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one core); from memory it
-  // pays only where the value pass requests the keys (value_pass_requests_keys), as a
-  // shorter score pass that requests them all left more of the tile's time to the value
-  // pass without reads (13.0 against 14.3 GB/s). Each vector's loads come before its FMAs,
-  // row by row alternating chains: chain by chain, the same plan read 15.2 against 16.5.
-  constexpr int kChains = kKeys == 1 && std::is_same_v<scalar_t, acc_t> ? 2 : 1;
+  // Vectors per step: two for one key of an fp32 cache or of a bf16 cache widened in pairs
+  // (kWidenInPairs), where q's rows hold each whole group of 16 elements in the pairs' order.
+  constexpr int kStepVectors =
+      kKeys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs<scalar_t>) ? 2 : 1;
+  // Accumulator chains per dot product: one key's kRows FMAs per vector are too few to cover
+  // the FMA latency, so a step's two vectors go to two chains where their accumulators fit
+  // the registers beside the two key vectors and a q vector (not for 7 or 8 bf16 rows). On
+  // Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one
+  // core); from memory it pays only where the value pass requests the keys
+  // (value_pass_requests_keys), as a shorter score pass that requests them all left more of
+  // the tile's time to the value pass without reads (13.0 against 14.3 GB/s). Each vector's
+  // loads come before its FMAs, row by row alternating chains: chain by chain, the same plan
+  // read 15.2 against 16.5.
+  constexpr int kChains = kStepVectors == 2 && 2 * kRows + 3 <= kVectorRegisters ? 2 : 1;
   Vec acc[kChains][kKeys * kRows];  // acc[chain][j * kRows + r]: part of q[r] . keys[j]
   unrolled<kChains * kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     acc[i / (kKeys * kRows)][i % (kKeys * kRows)] = Vec(acc_t(0));
@@ -225,39 +306,44 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
       }
     }
   };
-  // kChains vectors from d on, vector c into chain c.
-  auto step = [&](int64_t d, auto chains) C10_ALWAYS_INLINE_ATTRIBUTE {
-    Vec k[chains][kKeys];
-    unrolled<chains * kKeys>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
-      constexpr int chain = i / kKeys, j = i % kKeys;
-      k[chain][j] = load_as<acc_t>(keys[j] + d + chain * kWidth, kWidth);
-    });
+  // `vectors` vectors from d on (kStepVectors, or one in natural order), vector v into chain
+  // v % kChains.
+  auto step = [&](int64_t d, auto vectors) C10_ALWAYS_INLINE_ATTRIBUTE {
+    Vec k[vectors][kKeys];
+    if constexpr (vectors == 2) {
+      load_two_vectors(keys[0] + d, k[0][0], k[1][0]);  // kStepVectors is 2 for one key only
+    } else {
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[0][j] = load_as<acc_t>(keys[j] + d, kWidth); });
+    }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-      unrolled<chains>([&](auto chain) C10_ALWAYS_INLINE_ATTRIBUTE {
+      unrolled<vectors>([&](auto v) C10_ALWAYS_INLINE_ATTRIBUTE {
         // One load of q's vector for the kKeys keys: given it as an FMA operand, GCC loads
         // it again for each key, and the loads outnumber the FMAs. With one key, the load
         // folded into the FMA is the same load in fewer instructions: on Zen 1 bf16 decode
         // ran 4-18% faster so (32q/8kv and llama2-70b heads), fp32 within the noise.
-        Vec q_r = Vec::loadu(q + r * ld_q + d + chain * kWidth);
+        Vec q_r = Vec::loadu(q + r * ld_q + d + v * kWidth);
         if constexpr (kKeys > 1) keep_in_register(q_r);
+        constexpr int chain = v % kChains;
         unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-          acc[chain][j * kRows + r] = at::vec::fmadd(q_r, k[chain][j], acc[chain][j * kRows + r]);
+          acc[chain][j * kRows + r] = at::vec::fmadd(q_r, k[v][j], acc[chain][j * kRows + r]);
         });
       });
     });
   };
-  // Whole vectors; the loops over rows and keys are written out (unrolled) so that acc lives
+  // Whole steps; the loops over rows and keys are written out (unrolled) so that acc lives
   // in registers.
   int64_t d = 0;
-  for (; d + kChains * kWidth <= dim; d += kChains * kWidth) {
+  for (; d + kStepVectors * kWidth <= dim; d += kStepVectors * kWidth) {
     request_lines(d);
-    step(d, std::integral_constant<int, kChains>{});
+    step(d, std::integral_constant<int, kStepVectors>{});
   }
-  if constexpr (kChains > 1) {
+  if constexpr (kStepVectors > 1) {
     for (; d + kWidth <= dim; d += kWidth) {
       request_lines(d);
       step(d, std::integral_constant<int, 1>{});
     }
+  }
+  if constexpr (kChains > 1) {
     unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[0][i] = acc[0][i] + acc[1][i]; });
   }
   if constexpr (kRequests != ScoreLoopRequests::kNone) {  // the lines the loop did not reach
@@ -342,9 +428,22 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   for (int64_t c = 0; c < cols; ++c) {
     if constexpr (kRequestAhead) requests.step();
     Vec v[kVectors];
-    unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-      v[j] = load_as<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
-    });
+    if constexpr (kWidenInPairs<scalar_t>) {
+      static_assert(kVectors % 2 == 0, "pairs of vectors");
+      unrolled<kVectors / 2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const scalar_t* pair = value_rows[c] + d0 + 2 * j * kWidth;
+        if (kFull || width[2 * j + 1] == kWidth) {  // a whole group of 16, in O's pairs order
+          load_two_vectors(pair, v[2 * j], v[2 * j + 1]);
+        } else {
+          v[2 * j] = load_as<acc_t>(pair, width[2 * j]);
+          v[2 * j + 1] = load_as<acc_t>(pair + kWidth, width[2 * j + 1]);
+        }
+      });
+    } else {
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        v[j] = load_as<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
+      });
+    }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
       const Vec weight(p_tile[r * ld_p + c]);
       unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -358,12 +457,6 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
   ahead = requests;
 }
-
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
 
 // Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
 // weight all fit the vector registers, else 2. On AVX2, 4 rows x 4 vectors spilled four
@@ -463,18 +556,21 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       const int64_t key_end = std::min(key_begin + split_keys, keys);
       const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
 
+      const bool direct = rows <= kDirectRows;
+      // The direct path's q and O rows in widen_bf16_pairs' order (kWidenInPairs).
+      const bool widen_in_pairs = direct && kWidenInPairs<scalar_t>;
       // Row r = (query first_query + r / group, head kv_head * group + r % group)
       for (int64_t r = 0; r < rows; ++r) {
         const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
                                 (q_begin + first_query + r / group) * p.q_strides.token +
                                 (kv_head * group + r % group) * p.q_strides.head;
         load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
+        if (widen_in_pairs) reorder_groups_of_16(q_tile + r * ld_d, p.head_dim, true);
       }
       std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
       std::fill(row_max_log2, row_max_log2 + rows, kMinusInf);
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
-      const bool direct = rows <= kDirectRows;
       const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
       TileRows<scalar_t> k_rows, v_rows;
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
@@ -534,6 +630,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       }
 
       for (int64_t r = 0; r < rows; ++r) {
+        if (widen_in_pairs) reorder_groups_of_16(o_tile + r * ld_dv, p.head_dim_v, false);
         const int64_t token = q_begin + first_query + r / group;
         const int64_t head = kv_head * group + r % group;
         const int64_t lse_index = token * p.num_heads + head;
