@@ -103,7 +103,8 @@ constexpr int64_t kDirectRows = 8;
 // group reading the keys and values again (from L1). On AVX2 (16 registers) an fp32 cache goes
 // 4 rows at a time: all 8 rows of a llama2-70b group at once spilled accumulators to the stack,
 // and the groups of 4 decoded 1.2x faster. A bf16 cache is not split, as each further read of
-// a key or value converts it again (1.6x slower split). AVX-512's 32 registers take all rows.
+// a key or value converts it again (1.6x slower split), except where that conversion is cheap
+// (kWidenInPairs: accumulate_values). AVX-512's 32 registers take all rows.
 template <typename scalar_t, typename acc_t>
 constexpr int kRowGroup =
 #if defined(CPU_CAPABILITY_AVX512)
@@ -461,8 +462,9 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
 // Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
 // weight all fit the vector registers, else 2. On AVX2, 4 rows x 4 vectors spilled four
 // accumulators to the stack, loaded and stored for every key (2 vectors: llama2-70b fp32
-// decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows keep 2 vectors and a few spills: with 1,
-// each FMA needs a broadcast weight of its own and the loads outnumber the FMAs (3% slower).
+// decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows not widened in pairs keep 2 vectors and a
+// few spills: with 1, each FMA needs a broadcast weight of its own and the loads outnumber
+// the FMAs (3% slower).
 template <int kRows>
 constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 
