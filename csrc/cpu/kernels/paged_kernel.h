@@ -99,14 +99,14 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
 // 1.15-1.25x faster direct).
 constexpr int64_t kDirectRows = 8;
 
-// The direct path's tile rows are scored and weighted in groups of at most this many, each
-// group reading the keys and values again (from L1). On AVX2 (16 registers) an fp32 cache goes
-// 4 rows at a time: all 8 rows of a llama2-70b group at once spilled accumulators to the stack,
-// and the groups of 4 decoded 1.2x faster. A bf16 cache is not split, as each further read of
-// a key or value converts it again (1.6x slower split), except where that conversion is cheap
-// (kWidenInPairs: accumulate_values). AVX-512's 32 registers take all rows.
+// The direct path's value pass weights the tile rows in groups of at most this many, each
+// group reading the values again (from L1); the score pass takes all rows at once
+// (score_tile). On AVX2 (16 registers) an fp32 cache goes 4 rows at a time, whose
+// accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
+// each further read of a value converts it again (1.6x slower split), except where that
+// conversion is cheap (kWidenInPairs: accumulate_values). AVX-512's 32 registers take all rows.
 template <typename scalar_t, typename acc_t>
-constexpr int kRowGroup =
+constexpr int kValueRowGroup =
 #if defined(CPU_CAPABILITY_AVX512)
     kDirectRows;
 #else
@@ -129,7 +129,7 @@ constexpr bool value_pass_requests_keys(int64_t rows) {
 #if defined(CPU_CAPABILITY_AVX512)
   return false;
 #else
-  return sizeof(scalar_t) == 4 && rows <= kRowGroup<scalar_t, scalar_t>;
+  return sizeof(scalar_t) == 4 && rows <= kValueRowGroup<scalar_t, scalar_t>;
 #endif
 }
 
@@ -287,7 +287,7 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
       kKeys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs<scalar_t>) ? 2 : 1;
   // Accumulator chains per dot product: one key's kRows FMAs per vector are too few to cover
   // the FMA latency, so a step's two vectors go to two chains where their accumulators fit
-  // the registers beside the two key vectors and a q vector (not for 7 or 8 bf16 rows). On
+  // the registers beside the two key vectors and a q vector (not for 7 or 8 rows). On
   // Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one
   // core); from memory it pays only where the value pass requests the keys
   // (value_pass_requests_keys), as a shorter score pass that requests them all left more of
@@ -373,14 +373,19 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
 // rows ahead within the value pass, whose slices go through a row in a few cycles, the
 // requests came too late and half of decode's samples (perf) sat on value loads. Key rows
 // kPrefetchRows ahead are requested here too, unless the value pass requests them
-// (value_pass_requests_keys).
+// (value_pass_requests_keys). All rows are scored at once, each key read once: on AVX2 up to
+// 8 rows' accumulators (one chain each) fit the registers. Measured on Zen 1 against 8 fp32
+// rows scored as two groups of 4, each reading the keys (the kernel called directly, 8
+// sequences x context 4096, medians of 5 rounds alternating the builds): 64q/8kv decode on
+// one core 5.67 -> 6.17 GB/s from cache and 5.27 -> 5.73 from memory, on two 10.4 -> 11.0;
+// 5-7 rows (40-56 query heads over 8 kv heads) 5-9% faster from cache. `score` is inlined by
+// force: in the extension GCC left it out of line for 3 to 8 rows, a call per key (it did
+// inline it in a standalone build of the kernel), and 64q/8kv through the op read 7.1-7.6
+// GB/s so against 9.8-11.0 inlined.
 template <int kRows, typename scalar_t, typename acc_t>
 void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, const scalar_t* const* value_rows,
                 int64_t cols, int64_t dim, int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
-  constexpr int kFirstRows = std::min(kRows, kRowGroup<scalar_t, acc_t>);
-  constexpr int kLastRows = kRows - kFirstRows;  // at most kFirstRows: kRows <= 8
-  // Rows [0, kFirstRows) and [kFirstRows, kRows) score the same keys in turn.
-  auto score = [&](auto kKeys, int64_t c) {
+  auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
     constexpr bool kKeysAhead = !value_pass_requests_keys<scalar_t>(kRows);
     constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
@@ -393,13 +398,9 @@ void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, co
         prefetch_row(value_rows[c + j], dim_v);
       }
     }
-    score_keys<kFirstRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
-    if constexpr (kLastRows > 0) {
-      score_keys<kLastRows, kKeys, ScoreLoopRequests::kNone>(q + kFirstRows * ld_q, ld_q, keys.rows + c, dim,
-                                                             s_tile + kFirstRows * ld_s + c, ld_s, requests);
-    }
+    score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
   };
-  constexpr int kKeys = kKeysPerStep<kFirstRows>;
+  constexpr int kKeys = kKeysPerStep<kRows>;
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) score(std::integral_constant<int, kKeys>{}, c);
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
@@ -475,12 +476,12 @@ constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o, LineRequests<scalar_t>& next_keys) {
-  // Rows per group: kRowGroup's, but 8 rows of a cache widened in pairs go as two groups of
+  // Rows per group: kValueRowGroup's, but 8 rows of a cache widened in pairs go as two groups of
   // 4, whose accumulators fit the registers, as reading each value twice costs only a load
   // and two bit operations more (64q/8kv bf16 decode on Zen 1, medians of 8 rounds on two
   // cores: 6.34 against 6.08 GB/s; 5 to 7 rows lost 3-9% split).
   constexpr int kGroupRows =
-      kWidenInPairs<scalar_t> && kRows == 8 ? 4 : std::min(kRows, kRowGroup<scalar_t, acc_t>);
+      kWidenInPairs<scalar_t> && kRows == 8 ? 4 : std::min(kRows, kValueRowGroup<scalar_t, acc_t>);
   constexpr int kVectors = kValueVectors<kGroupRows>;
   constexpr int kGroups = ceil_div(kRows, kGroupRows);
   constexpr bool kRequestAhead = value_pass_requests_keys<scalar_t>(kRows);
