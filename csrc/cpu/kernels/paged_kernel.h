@@ -123,15 +123,33 @@ constexpr int kValueRowGroup =
 // (llama2-7b) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the noise);
 // a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against 15.3-16.0.
 // 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
-// by their arithmetic and lost to the value pass's extra work. AVX-512 keeps its plan.
+// by their arithmetic and lost to the value pass's extra work. On AVX-512 (Zen 5) every
+// tile of 2 or more rows takes this plan, with kValuesRequestedTileAhead: fp32 32q/8kv from
+// memory on one core, medians of 15 rounds alternating the builds of a standalone harness,
+// 13.2 -> 14.6 GB/s; through the op on two cores 21.5-27.1 -> 23.2-33.5 GB/s in alternating
+// runs (the VM's streaming rate moved between 31 and 48 GB/s meanwhile).
 template <typename scalar_t>
 constexpr bool value_pass_requests_keys(int64_t rows) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return false;
+  return rows > 1;
 #else
   return sizeof(scalar_t) == 4 && rows <= kValueRowGroup<scalar_t, scalar_t>;
 #endif
 }
+
+// Whether, where the value pass requests the next tile's keys, the score pass requests the
+// next tile's value rows too (the tile's own were requested a tile earlier, the first
+// tile's up front) rather than its own: every request then has a whole tile's work before
+// its use, and the two passes request alike. With AVX-512's faster score passes (bf16 dot
+// products, 16 sums per reduction) requests for a tile's own values came too close to their
+// use: bf16 32q/8kv from memory on two cores, harness medians of 11 rounds, 20.6 -> 23.5
+// GB/s; fp32 22.7 either way. Not measured on AVX2, which keeps requesting its own.
+constexpr bool kValuesRequestedTileAhead =
+#if defined(CPU_CAPABILITY_AVX512)
+    true;
+#else
+    false;
+#endif
 
 // The lines of a list of rows, requested a few per step of a loop so that all are asked for
 // by its last step: the value pass requests the next tile's key rows so.
@@ -238,16 +256,49 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
 }
 
 // Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
-// products (at most 8) share one reduction tree (horizontal_sums); elsewhere one, as more
+// products share one reduction tree: 16 for 2, 4 or 8 rows (transposed_sums16, one vector
+// of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s against 8 sums through
+// horizontal_sums, 4 rows unchanged), at most 8 otherwise, and 8 keys for one row (16
+// decoded llama2-7b's heads 5-10% slower from memory); elsewhere one, as more
 // accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
 // a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20% slower from memory,
 // with the row requests before each step or spread through its loop alike).
 template <int kRows>
 constexpr int kKeysPerStep =
 #if defined(CPU_CAPABILITY_AVX512)
-    kRows <= 8 ? 8 / kRows : 1;
+    kRows > 1 && 16 % kRows == 0 ? 16 / kRows : kRows <= 8 ? 8 / kRows : 1;
 #else
     1;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
+// products, fp32 sums). Written as assembly so that this translation unit, which also runs
+// on AVX-512 CPUs without BF16, needs no target attribute; it runs only where
+// cpu_has_avx512_bf16().
+C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+// Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
+// (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
+// instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
+// conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
+// product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
+// 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to bf16.
+template <typename scalar_t>
+constexpr bool kScoreByBf16Dots =
+#if defined(CPU_CAPABILITY_AVX512)
+    std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+    false;
 #endif
 
 // What a one-key score step requests while it walks its key row: nothing, the value row of
@@ -274,11 +325,83 @@ constexpr bool kRequestRowsInScoreLoop =
     kKeys == 1 && sizeof(scalar_t) == 4;
 #endif
 
+// scores[r * ld_s + j] = scale x the horizontal sum of acc[j * kRows + r] for r < kRows,
+// j < kKeys.
+// On AVX-512, 16 sums reduce together into one vector (transposed_sums16), permuted so that
+// each row's kKeys sums lie together and stored a row at a time.
+template <int kRows, int kKeys, typename acc_t>
+C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc)[kKeys * kRows], acc_t scale,
+                                          acc_t* scores, int64_t ld_s) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float> && kRows * kKeys == 16) {
+    __m512 sums = _mm512_mul_ps(transposed_sums16(acc), _mm512_set1_ps(scale));
+    if constexpr (kRows != 4) {  // with 4 rows the transpose leaves row r's 4 sums in lane r
+      // Element r * kKeys + j takes the sum of acc[i], i = j * kRows + r, at 4 (i % 4) + i / 4.
+      static constexpr auto kOrder = [] {
+        std::array<int, 16> order{};
+        for (int r = 0; r < kRows; ++r) {
+          for (int j = 0; j < kKeys; ++j) order[r * kKeys + j] = 4 * ((j * kRows + r) % 4) + (j * kRows + r) / 4;
+        }
+        return order;
+      }();
+      sums = _mm512_permutexvar_ps(_mm512_loadu_si512(kOrder.data()), sums);
+    }
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      float* row = scores + r * ld_s;
+      if constexpr (kKeys == 16) {
+        _mm512_storeu_ps(row, sums);
+      } else if constexpr (kKeys == 8) {
+        _mm256_storeu_ps(row, _mm512_extractf32x8_ps(sums, r));
+      } else if constexpr (kKeys == 4) {
+        _mm_storeu_ps(row, _mm512_extractf32x4_ps(sums, r));
+      } else {
+        static_assert(kKeys == 2, "16 sums as kRows rows of kKeys");
+        const __m128 lane = _mm512_extractf32x4_ps(sums, r / 2);
+        if constexpr (r % 2 == 0) {
+          _mm_storel_pi(reinterpret_cast<__m64*>(row), lane);
+        } else {
+          _mm_storeh_pi(reinterpret_cast<__m64*>(row), lane);
+        }
+      }
+    });
+    return;
+  }
+#endif
+  acc_t sums[kKeys * kRows];
+  horizontal_sums(acc, sums);
+  for (int j = 0; j < kKeys; ++j) {
+    for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = scale * sums[j * kRows + r];
+  }
+}
+
 // scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
 // is loaded and converted once for all rows. kRequests: which of `requests`' rows it requests.
-template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename scalar_t, typename acc_t>
-C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim,
+template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t, typename acc_t>
+C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim, acc_t scale,
                                   acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
+    static_assert(kRequests == ScoreLoopRequests::kNone && kScoreByBf16Dots<scalar_t>, "bf16 dot products");
+    at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
+    unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
+    // 32 elements from d on, the lanes outside `lanes` zero (and not read).
+    auto step = [&](int64_t d, __mmask32 lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
+      __m512i k[kKeys];
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d); });
+      unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
+        unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          acc[j * kRows + r] = add_bf16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+        });
+      });
+    };
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
+    if (d < dim) step(d, static_cast<__mmask32>((uint64_t(1) << (dim - d)) - 1));
+    store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
+    return;
+  }
+#endif
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   // Vectors per step: two for one key of an fp32 cache or of a bf16 cache widened in pairs
@@ -353,23 +476,21 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
     if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue) prefetch_row(requests.key_ahead, dim, next);
     prefetch_row(requests.value, requests.value_dim, next);
   }
-  acc_t sums[kKeys * kRows];
-  horizontal_sums(acc[0], sums);
+  store_dot_products<kRows, kKeys>(acc[0], acc_t(1), scores, ld_s);
   // The ragged end in scalars: as masked vectors, GCC kept acc on the stack (zeroed and
   // stored for every key) to share it between the two loops.
   for (; d < dim; ++d) {
     for (int j = 0; j < kKeys; ++j) {
-      for (int r = 0; r < kRows; ++r) sums[j * kRows + r] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
+      for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
     }
-  }
-  for (int j = 0; j < kKeys; ++j) {
-    for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = sums[j * kRows + r];
   }
 }
 
-// S[r, c] = q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows, ld_s]), the
-// keys read in place. Value row c is requested as key c is scored, so that the rest of the
-// score pass lies between the request and the value pass's read: requested kPrefetchRows
+// S[r, c] = scale q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows,
+// ld_s]), the keys read in place; q is fp32 (pre-scaled, scale 1) or, for kScoreByBf16Dots,
+// bf16. Value row value_rows[c] (c < values_listed) is requested as key c is scored: the
+// tile's own (below) or the next tile's (kValuesRequestedTileAhead). Its own so that the
+// rest of the score pass lies between the request and the value pass's read: requested kPrefetchRows
 // rows ahead within the value pass, whose slices go through a row in a few cycles, the
 // requests came too late and half of decode's samples (perf) sat on value loads. Key rows
 // kPrefetchRows ahead are requested here too, unless the value pass requests them
@@ -382,23 +503,26 @@ C10_ALWAYS_INLINE void score_keys(const acc_t* q, int64_t ld_q, const scalar_t* 
 // force: in the extension GCC left it out of line for 3 to 8 rows, a call per key (it did
 // inline it in a standalone build of the kernel), and 64q/8kv through the op read 7.1-7.6
 // GB/s so against 9.8-11.0 inlined.
-template <int kRows, typename scalar_t, typename acc_t>
-void score_tile(const acc_t* q, int64_t ld_q, const TileRows<scalar_t>& keys, const scalar_t* const* value_rows,
-                int64_t cols, int64_t dim, int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
+template <int kRows, typename q_t, typename scalar_t, typename acc_t>
+void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
+                const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim, int64_t dim_v,
+                acc_t* s_tile, int64_t ld_s) {
   auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
     constexpr bool kKeysAhead = !value_pass_requests_keys<scalar_t>(kRows);
     constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
                                             : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
                                                          : ScoreLoopRequests::kValue;
-    const RowRequests<scalar_t> requests{keys.row_ahead(c), value_rows[c], dim_v};
-    if constexpr (!kInLoop) {
+    RowRequests<scalar_t> requests{};
+    if constexpr (kInLoop) {
+      requests = {keys.row_ahead(c), value_rows[c], dim_v};
+    } else {
       for (int j = 0; j < kKeys; ++j) {
         if constexpr (kKeysAhead) keys.prefetch(c + j, dim);
-        prefetch_row(value_rows[c + j], dim_v);
+        if (c + j < values_listed) prefetch_row(value_rows[c + j], dim_v);
       }
     }
-    score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, s_tile + c, ld_s, requests);
+    score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s, requests);
   };
   constexpr int kKeys = kKeysPerStep<kRows>;
   int64_t c = 0;
@@ -530,8 +654,13 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t scratch_size = tile_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
                                tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows +
-                               kBlockK * p.head_dim;
+                               kBlockK * p.head_dim + kDirectRows * ld_d;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool bf16_dots = kScoreByBf16Dots<scalar_t> && cpu_has_avx512_bf16();
+#else
+  constexpr bool bf16_dots = false;
+#endif
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
@@ -543,6 +672,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
     acc_t* row_max_log2 = o_tile + tile_rows * ld_dv;      // [tile_rows]
     acc_t* row_sum = row_max_log2 + tile_rows;             // [tile_rows]
     acc_t* staging = row_sum + tile_rows;                  // [kBlockK, head_dim]
+    // [kDirectRows, ld_d]: q's rows as given, for kScoreByBf16Dots
+    scalar_t* q_raw = reinterpret_cast<scalar_t*>(staging + kBlockK * p.head_dim);
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / (p.num_kv_heads * q_chunks * splits);
@@ -572,6 +703,10 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
                                 (q_begin + first_query + r / group) * p.q_strides.token +
                                 (kv_head * group + r % group) * p.q_strides.head;
+        if (bf16_dots && direct) {
+          std::copy(q_row, q_row + p.head_dim, q_raw + r * ld_d);
+          continue;
+        }
         load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
         if (widen_in_pairs) reorder_groups_of_16(q_tile + r * ld_d, p.head_dim, true);
       }
@@ -581,6 +716,8 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
 
       const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
       TileRows<scalar_t> k_rows, v_rows;
+      const bool values_ahead = keys_in_value_pass && kValuesRequestedTileAhead;
+      const scalar_t* next_values[kBlockK];  // the next tile's value rows, where values_ahead
       for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - key0);
         // Rows past the tile are listed only for the loops that request them kPrefetchRows
@@ -595,16 +732,38 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
                      k_rows.rows);
         }
-        cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
-                   v_rows.rows);
+        if (!values_ahead || key0 == key_begin) {
+          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
+                     v_rows.rows);
+        } else {
+          std::copy(next_values, next_values + cols, v_rows.rows);
+        }
+        // The value rows the score pass requests: this tile's, or the next tile's.
+        const scalar_t* const* value_requests = v_rows.rows;
+        int64_t values_requested = cols;
+        if (values_ahead) {
+          if (key0 == key_begin) {
+            for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
+          }
+          values_requested = std::clamp<int64_t>(key_end - key0 - kBlockK, 0, kBlockK);
+          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
+                     values_requested, next_values);
+          value_requests = next_values;
+        }
         if (keys_in_value_pass && key0 == key_begin) {
           for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);  // no value pass did
         }
         if (direct) {
           // S = Q K^T from the cached key rows: no K^T tile to build.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            score_tile<kRows>(q_tile, ld_d, k_rows, v_rows.rows, cols, p.head_dim, p.head_dim_v, s_tile,
-                             kBlockK);
+            if constexpr (kScoreByBf16Dots<scalar_t>) {
+              if (bf16_dots) {
+                return score_tile<kRows>(q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
+                                         values_requested, cols, p.head_dim, p.head_dim_v, s_tile, kBlockK);
+              }
+            }
+            score_tile<kRows>(q_tile, ld_d, acc_t(1), k_rows, value_requests, values_requested, cols, p.head_dim,
+                              p.head_dim_v, s_tile, kBlockK);
           });
         } else {
           gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
