@@ -486,23 +486,22 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   }
 }
 
-// S[r, c] = scale q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows,
-// ld_s]), the keys read in place; q is fp32 (pre-scaled, scale 1) or, for kScoreByBf16Dots,
-// bf16. Value row value_rows[c] (c < values_listed) is requested as key c is scored: the
-// tile's own (below) or the next tile's (kValuesRequestedTileAhead). Its own so that the
-// rest of the score pass lies between the request and the value pass's read: requested kPrefetchRows
-// rows ahead within the value pass, whose slices go through a row in a few cycles, the
-// requests came too late and half of decode's samples (perf) sat on value loads. Key rows
-// kPrefetchRows ahead are requested here too, unless the value pass requests them
-// (value_pass_requests_keys). All rows are scored at once, each key read once: on AVX2 up to
-// 8 rows' accumulators (one chain each) fit the registers. Measured on Zen 1 against 8 fp32
-// rows scored as two groups of 4, each reading the keys (the kernel called directly, 8
-// sequences x context 4096, medians of 5 rounds alternating the builds): 64q/8kv decode on
-// one core 5.67 -> 6.17 GB/s from cache and 5.27 -> 5.73 from memory, on two 10.4 -> 11.0;
-// 5-7 rows (40-56 query heads over 8 kv heads) 5-9% faster from cache. `score` is inlined by
-// force: in the extension GCC left it out of line for 3 to 8 rows, a call per key (it did
-// inline it in a standalone build of the kernel), and 64q/8kv through the op read 7.1-7.6
-// GB/s so against 9.8-11.0 inlined.
+// S[r, c] = scale q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows, ld_s]),
+// the keys read in place; q is fp32 (pre-scaled, scale 1) or, for kScoreByBf16Dots, bf16. Value
+// row value_rows[c] (c < values_listed) is requested as key c is scored: the tile's own (below)
+// or the next tile's (kValuesRequestedTileAhead). Its own so that the rest of the score pass
+// lies between the request and the value pass's read: requested kPrefetchRows rows ahead within
+// the value pass, whose slices go through a row in a few cycles, the requests came too late and
+// half of decode's samples (perf) sat on value loads. Key rows kPrefetchRows ahead are requested
+// here too, unless the value pass requests them (value_pass_requests_keys). All rows are scored
+// at once, each key read once: on AVX2 up to 8 rows' accumulators (one chain each) fit the
+// registers. Measured on Zen 1 against 8 fp32 rows scored as two groups of 4, each reading the
+// keys (the kernel called directly, 8 sequences x context 4096, medians of 5 rounds alternating
+// the builds): 64q/8kv decode on one core 5.67 -> 6.17 GB/s from cache and 5.27 -> 5.73 from
+// memory, on two 10.4 -> 11.0; 5-7 rows (40-56 query heads over 8 kv heads) 5-9% faster from
+// cache. `score` is inlined by force: in the extension GCC left it out of line for 3 to 8 rows,
+// a call per key (it did inline it in a standalone build of the kernel), and 64q/8kv through the
+// op read 7.1-7.6 GB/s so against 9.8-11.0 inlined.
 template <int kRows, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
                 const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim, int64_t dim_v,
@@ -656,12 +655,12 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
                                tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows +
                                kBlockK * p.head_dim + kDirectRows * ld_d;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
+  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool bf16_dots = kScoreByBf16Dots<scalar_t> && cpu_has_avx512_bf16();
 #else
   constexpr bool bf16_dots = false;
 #endif
-  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [tile_rows, ld_d]
