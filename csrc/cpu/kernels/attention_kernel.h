@@ -522,14 +522,13 @@ void finish_grad_q(const AttentionBackwardParams& p) {
 
 // The kernels read k and v rows (and the backward grad_out rows) as 32-bit pairs in place.
 inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = false) {
-  // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and the
-  // roundings to bf16 below use AVX512-BF16.
-  static const bool cpu_ok = __builtin_cpu_supports("avx512bf16");
   auto even_rows = [](const void* data, const RowStrides& strides) {
     return reinterpret_cast<uintptr_t>(data) % 4 == 0 && strides.batch % 2 == 0 &&
            strides.head % 2 == 0 && strides.row % 2 == 0;
   };
-  const bool forward_ok = cpu_ok && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+  // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and the
+  // roundings to bf16 below use AVX512-BF16.
+  const bool forward_ok = cpu_has_avx512_bf16() && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
                           even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
                           even_rows(p.v, p.v_strides);
   // The forward packs K and V into the caller's workspace.

@@ -459,6 +459,13 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// Whether this CPU has AVX512-BF16, which the AVX-512 build uses only behind this check (it
+// also runs on AVX-512 CPUs without it).
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 // dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
 __attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src, c10::BFloat16* dst,
                                                                 int64_t n) {

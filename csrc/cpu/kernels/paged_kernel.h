@@ -280,11 +280,6 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
-
-inline bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
 #endif
 
 // Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
@@ -741,16 +736,16 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         const scalar_t* const* value_requests = v_rows.rows;
         int64_t values_requested = cols;
         if (values_ahead) {
-          if (key0 == key_begin) {
-            for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
-          }
           values_requested = std::clamp<int64_t>(key_end - key0 - kBlockK, 0, kBlockK);
           cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
                      values_requested, next_values);
           value_requests = next_values;
         }
-        if (keys_in_value_pass && key0 == key_begin) {
-          for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);  // no value pass did
+        if (keys_in_value_pass && key0 == key_begin) {  // no earlier pass requested this tile's rows
+          for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
+          if (values_ahead) {
+            for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
+          }
         }
         if (direct) {
           // S = Q K^T from the cached key rows: no K^T tile to build.
