@@ -162,6 +162,24 @@ def test_long_context_split_across_threads(dtype):
     check_against_reference([2500, 7], [3, 1], 8, 1, 128, 32, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(10, 5), (5, 5)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_decode_tasks_of_several_kv_heads(dtype, heads, threads):
+    # Decode tasks take a sequence's kv heads together, head by head within each key tile,
+    # divided among tasks as the thread count asks (blocking.h: plan_paged_tasks). One
+    # sequence of 200 keys: 1 thread -> heads as 3 + 2, 2 threads -> 2 + 2 + 1, 3 -> one
+    # each. Two of 700 and 90 keys: 1 thread -> all 5 together, 2 -> all 5 in each of two key
+    # splits, 4 -> 3 + 2 in each split.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_against_reference([200], [1], *heads, 64, 16, dtype)
+        check_against_reference([700, 90], [1, 1], *heads, 64, 16, dtype)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_shuffled_block_table_is_bitwise_identical():
     args = ([40, 129, 7], [1, 9, 7], 8, 2, 64, 16)
     q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(*args, shuffle=False)

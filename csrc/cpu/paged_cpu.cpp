@@ -27,12 +27,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, cons
   PagedAttentionParams params =
       make_paged_attention_params(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
   check_paged_index_values(params);
-  // Split long contexts when sequences x kv heads x query chunks leave threads idle; a
-  // split below 256 keys would cost more in merging than it saves.
-  const int64_t tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
-  const int64_t splits = std::max<int64_t>(
-      1, std::min((2 * at::get_num_threads() + tasks - 1) / tasks, params.max_seq_len / 256));
-  const PagedAttentionOutputs outputs = prepare_paged_outputs(params, q, splits);
+  const PagedTaskPlan plan = plan_paged_tasks(params, at::get_num_threads());
+  params.kv_heads_per_task = plan.kv_heads_per_task;
+  const PagedAttentionOutputs outputs = prepare_paged_outputs(params, q, plan.kv_splits);
   MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
   return {outputs.out, outputs.lse};
 }

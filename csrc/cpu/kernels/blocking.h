@@ -1,8 +1,10 @@
 #pragma once
 // Tile sizes of the CPU attention kernels, also needed by the op layer to size workspaces.
+#include <algorithm>
 #include <cstdint>
 
 #include "mha_ext/attention_params.h"
+#include "mha_ext/paged_params.h"
 
 namespace mha_ext::cpu {
 
@@ -12,6 +14,44 @@ namespace mha_ext::cpu {
 // converted to fp32 serves up to 8 x 64 query rows. 128-key tiles measured slower here.
 constexpr int64_t kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 64;
+
+// Up to this many tile rows (decode: the heads of one GQA group), the paged kernel uses keys
+// and values row by row straight from the cache; gathering them into K^T / V tiles for the
+// GEMM costs more than the GEMM saves when it feeds so few rows (llama2-70b's 8-head groups
+// decoded 1.15-1.25x faster direct).
+constexpr int64_t kDirectRows = 8;
+
+// Query rows of the paged kernel's largest task for one kv head: queries of a sequence (at
+// most a query block's worth) times the heads of a GQA group.
+inline int64_t paged_task_rows(const PagedAttentionParams& p) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t queries_per_tile = std::max<int64_t>(1, kQueryBlock / group);
+  return std::min(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile) * group;
+}
+
+struct PagedTaskPlan {
+  int64_t kv_heads_per_task;
+  int64_t kv_splits;
+};
+
+// How the paged kernel divides its work among `threads` threads, aiming at two tasks per
+// thread. Where every task's rows fit the direct path (decode), a task takes all kv heads of
+// its sequence and visits them head by head within each key tile: a cache block holds its
+// heads' rows side by side, so the task's reads sweep through whole blocks, where one head's
+// tiles in turn read 8 KiB of every 64 KiB block (fp32, 8 kv heads, block size 16). Only the
+// reads, on Zen 5 from memory: 18-19 -> 25-28 GB/s on one core, 26-31 -> 42 on two. Long
+// contexts are split along the keys when the tasks leave threads idle (a split below 256 keys
+// would cost more in merging than it saves), and a sequence's heads are divided among tasks
+// only when the splits cannot fill the threads.
+inline PagedTaskPlan plan_paged_tasks(const PagedAttentionParams& p, int64_t threads) {
+  const bool heads_together = paged_task_rows(p) <= kDirectRows;
+  const int64_t wanted = 2 * std::max<int64_t>(threads, 1);
+  const int64_t tasks = std::max<int64_t>(p.batch * (heads_together ? 1 : p.num_kv_heads), 1);
+  const int64_t splits = std::max<int64_t>(1, std::min((wanted + tasks - 1) / tasks, p.max_seq_len / 256));
+  if (!heads_together) return {1, splits};
+  const int64_t head_groups = std::clamp<int64_t>((wanted + tasks * splits - 1) / (tasks * splits), 1, p.num_kv_heads);
+  return {(p.num_kv_heads + head_groups - 1) / head_groups, splits};
+}
 
 // Most keys per tile of the bf16 forward (bf16_key_tile in attention_kernel.h).
 constexpr int64_t kMaxBf16KeyTile = 128;

@@ -3,11 +3,13 @@
 // of sequences of different lengths: decode (one query per sequence) and chunked prefill
 // (several), causal with the queries as the last tokens of each sequence.
 //
-// One task per (sequence, kv head, chunk of queries, split of the keys). The query heads of a
-// GQA group are packed as rows of one query tile, so each K/V element is read once per group:
-// for decode, the tile rows are the group's heads. Key tiles of 64 tokens are gathered from
-// whatever blocks hold them, so any block size works. With few tasks for the threads, long
-// contexts are split and the partial results merged by logsumexp.
+// One task per (sequence, kv heads, chunk of queries, split of the keys): decode takes a
+// sequence's kv heads together, head by head within each key tile (plan_paged_tasks). The
+// query heads of a GQA group are packed as rows of one query tile, so each K/V element is
+// read once per group: for decode, the tile rows are the group's heads. Key tiles of 64
+// tokens are gathered from whatever blocks hold them, so any block size works. With few
+// tasks for the threads, long contexts are split and the partial results merged by
+// logsumexp.
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
@@ -69,6 +71,15 @@ void prefetch_row(const scalar_t* row, int64_t dim, int64_t first = 0) {
   }
 }
 
+// One key tile of one kv head: keys [key0, key0 + cols); cols 0 marks the end of a task. A
+// task's items go through its key tiles in order, and within a tile through its heads; "the
+// next tile" below is the next item, the same keys of the next head where there is one.
+struct WorkItem {
+  int64_t key0 = 0;
+  int64_t cols = 0;
+  int64_t kv_head = 0;
+};
+
 // A key tile's cached rows: rows[i] for i < listed, the tile's own rows first and then up to
 // kPrefetchRows rows of the next tile, which the tile's loop requests ahead of use.
 template <typename scalar_t>
@@ -92,12 +103,6 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
     load_rows(tile.rows[i], 0, 1, dim, dst + i * ld, ld);
   }
 }
-
-// Up to this many tile rows (decode: the heads of one GQA group), keys and values are used
-// row by row straight from the cache; gathering them into K^T / V tiles for the GEMM costs
-// more than the GEMM saves when it feeds so few rows (llama2-70b's 8-head groups decoded
-// 1.15-1.25x faster direct).
-constexpr int64_t kDirectRows = 8;
 
 // The direct path's value pass weights the tile rows in groups of at most this many, each
 // group reading the values again (from L1); the score pass takes all rows at once
@@ -632,6 +637,16 @@ void dispatch_direct_rows(int64_t rows, Kernel&& kernel) {
   }
 }
 
+// A kv head's part of a task: its tile rows' queries, output and softmax state.
+template <typename scalar_t, typename acc_t>
+struct HeadState {
+  acc_t* q;             // [rows, ld_d], pre-scaled
+  scalar_t* q_raw;      // [rows, ld_d]: q's rows as given, for kScoreByBf16Dots
+  acc_t* o;             // [rows, ld_dv]
+  acc_t* row_max_log2;  // [rows]
+  acc_t* row_sum;       // [rows]
+};
+
 template <typename scalar_t>
 void paged_attention_kernel(const PagedAttentionParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
@@ -641,14 +656,16 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   // Tile rows are (query, head of the group) pairs: as many queries as fill kQueryBlock rows.
   const int64_t queries_per_tile = std::max<int64_t>(1, kQueryBlock / group);
-  const int64_t tile_rows = queries_per_tile * group;
+  const int64_t tile_rows = paged_task_rows(p);
   const int64_t q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile);
   const int64_t splits = p.num_kv_splits;
+  const int64_t heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
+  const int64_t head_groups = ceil_div(p.num_kv_heads, heads_per_task);
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t scratch_size = tile_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               tile_rows * kBlockK + tile_rows * ld_dv + 2 * tile_rows +
-                               kBlockK * p.head_dim + kDirectRows * ld_d;
+  const int64_t head_state_size = 2 * tile_rows * ld_d + tile_rows * ld_dv + 2 * tile_rows;
+  const int64_t scratch_size = heads_per_task * head_state_size + p.head_dim * kBlockK + kBlockK * ld_dv +
+                               tile_rows * kBlockK + kBlockK * p.head_dim;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 #if defined(CPU_CAPABILITY_AVX512)
@@ -657,23 +674,30 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   constexpr bool bf16_dots = false;
 #endif
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
-    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [tile_rows, ld_d]
-    acc_t* kt_tile = q_tile + tile_rows * ld_d;            // [head_dim, kBlockK]
-    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;        // [kBlockK, ld_dv]
-    acc_t* s_tile = v_tile + kBlockK * ld_dv;              // [tile_rows, kBlockK]
-    acc_t* o_tile = s_tile + tile_rows * kBlockK;          // [tile_rows, ld_dv]
-    acc_t* row_max_log2 = o_tile + tile_rows * ld_dv;      // [tile_rows]
-    acc_t* row_sum = row_max_log2 + tile_rows;             // [tile_rows]
-    acc_t* staging = row_sum + tile_rows;                  // [kBlockK, head_dim]
-    // [kDirectRows, ld_d]: q's rows as given, for kScoreByBf16Dots
-    scalar_t* q_raw = reinterpret_cast<scalar_t*>(staging + kBlockK * p.head_dim);
+  at::parallel_for(0, p.batch * head_groups * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
+    acc_t* head_states = thread_scratch<acc_t>(scratch_size);  // [heads_per_task, head_state_size]
+    acc_t* kt_tile = head_states + heads_per_task * head_state_size;  // [head_dim, kBlockK]
+    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;                    // [kBlockK, ld_dv]
+    acc_t* s_tile = v_tile + kBlockK * ld_dv;                          // [tile_rows, kBlockK]
+    acc_t* staging = s_tile + tile_rows * kBlockK;                     // [kBlockK, head_dim]
+    auto head_state = [&](int64_t i) {  // the task's i-th head
+      acc_t* base = head_states + i * head_state_size;
+      HeadState<scalar_t, acc_t> state;
+      state.q = base;
+      state.q_raw = reinterpret_cast<scalar_t*>(base + tile_rows * ld_d);
+      state.o = base + 2 * tile_rows * ld_d;
+      state.row_max_log2 = state.o + tile_rows * ld_dv;
+      state.row_sum = state.row_max_log2 + tile_rows;
+      return state;
+    };
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / (p.num_kv_heads * q_chunks * splits);
-      const int64_t kv_head = task / (q_chunks * splits) % p.num_kv_heads;
+      const int64_t seq = task / (head_groups * q_chunks * splits);
+      const int64_t head_group = task / (q_chunks * splits) % head_groups;
       const int64_t chunk = task / splits % q_chunks;
       const int64_t split = task % splits;
+      const int64_t head_begin = head_group * heads_per_task;
+      const int64_t head_end = std::min(head_begin + heads_per_task, p.num_kv_heads);
       const int64_t q_begin = p.cu_seqlens_q[seq];
       const int64_t num_queries = p.cu_seqlens_q[seq + 1] - q_begin;
       const int64_t first_query = chunk * queries_per_tile;
@@ -692,56 +716,79 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
       const bool direct = rows <= kDirectRows;
       // The direct path's q and O rows in widen_bf16_pairs' order (kWidenInPairs).
       const bool widen_in_pairs = direct && kWidenInPairs<scalar_t>;
-      // Row r = (query first_query + r / group, head kv_head * group + r % group)
-      for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
-                                (q_begin + first_query + r / group) * p.q_strides.token +
-                                (kv_head * group + r % group) * p.q_strides.head;
-        if (bf16_dots && direct) {
-          std::copy(q_row, q_row + p.head_dim, q_raw + r * ld_d);
-          continue;
+      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
+        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
+        // Row r = (query first_query + r / group, head kv_head * group + r % group)
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
+                                  (q_begin + first_query + r / group) * p.q_strides.token +
+                                  (kv_head * group + r % group) * p.q_strides.head;
+          if (bf16_dots && direct) {
+            std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
+            continue;
+          }
+          load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
+          if (widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
         }
-        load_rows(q_row, 0, 1, p.head_dim, q_tile + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
-        if (widen_in_pairs) reorder_groups_of_16(q_tile + r * ld_d, p.head_dim, true);
+        std::fill(state.o, state.o + rows * ld_dv, acc_t(0));
+        std::fill(state.row_max_log2, state.row_max_log2 + rows, kMinusInf);
+        std::fill(state.row_sum, state.row_sum + rows, acc_t(0));
       }
-      std::fill(o_tile, o_tile + rows * ld_dv, acc_t(0));
-      std::fill(row_max_log2, row_max_log2 + rows, kMinusInf);
-      std::fill(row_sum, row_sum + rows, acc_t(0));
+
+      // The task's items go through its key tiles in order, and within a tile through its
+      // heads (plan_paged_tasks): the item after `item`.
+      auto following = [&](const WorkItem& item) {
+        if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
+        const int64_t key0 = item.key0 + kBlockK;
+        return WorkItem{key0, std::clamp<int64_t>(key_end - key0, 0, kBlockK), head_begin};
+      };
+      // rows[0, item.cols) the item's cached rows, then, where `ahead`, up to kPrefetchRows
+      // rows of `next` for the loops that request rows that far ahead.
+      auto list_rows = [&](const scalar_t* cache, const CacheStrides& strides, const WorkItem& item,
+                           const WorkItem& next, bool ahead, TileRows<scalar_t>& listed) {
+        cache_rows(cache, strides, block_table, p.block_size, item.kv_head, item.key0, item.cols, listed.rows);
+        listed.listed = item.cols;
+        if (ahead) {
+          const int64_t extra = std::min(kPrefetchRows, next.cols);
+          cache_rows(cache, strides, block_table, p.block_size, next.kv_head, next.key0, extra,
+                     listed.rows + item.cols);
+          listed.listed += extra;
+        }
+      };
 
       const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
       TileRows<scalar_t> k_rows, v_rows;
       const bool values_ahead = keys_in_value_pass && kValuesRequestedTileAhead;
-      const scalar_t* next_values[kBlockK];  // the next tile's value rows, where values_ahead
-      for (int64_t key0 = key_begin; key0 < key_end; key0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - key0);
-        // Rows past the tile are listed only for the loops that request them kPrefetchRows
+      const scalar_t* next_values[kBlockK];  // the next item's value rows, where values_ahead
+      const WorkItem first{key_begin, std::min(kBlockK, key_end - key_begin), head_begin};
+      for (WorkItem item = first; item.cols > 0;) {
+        const WorkItem next = following(item);
+        const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
+        const int64_t key0 = item.key0, cols = item.cols;
+        const HeadState<scalar_t, acc_t> state = head_state(item.kv_head - head_begin);
+        // Rows of the next item are listed only for the loops that request them kPrefetchRows
         // ahead: the gathered path's copies, and the direct score pass's keys where the value
         // pass does not request them. The direct path requests value rows as it scores keys.
-        const int64_t with_ahead = std::min(cols + kPrefetchRows, key_end - key0);
-        v_rows.listed = direct ? cols : with_ahead;
-        // Past the first tile, the value pass that requested the keys listed them in k_rows.
-        const bool keys_listed = keys_in_value_pass && key0 != key_begin;
-        if (!keys_listed) {
-          k_rows.listed = keys_in_value_pass ? cols : with_ahead;
-          cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0, k_rows.listed,
-                     k_rows.rows);
+        // Past the first item, the value pass that requested the keys listed them in k_rows.
+        if (!keys_in_value_pass || is_first) {
+          list_rows(k_cache, p.k_cache_strides, item, next, !keys_in_value_pass, k_rows);
         }
-        if (!values_ahead || key0 == key_begin) {
-          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0, v_rows.listed,
-                     v_rows.rows);
+        if (!values_ahead || is_first) {
+          list_rows(v_cache, p.v_cache_strides, item, next, !direct, v_rows);
         } else {
           std::copy(next_values, next_values + cols, v_rows.rows);
+          v_rows.listed = cols;
         }
-        // The value rows the score pass requests: this tile's, or the next tile's.
+        // The value rows the score pass requests: this item's, or the next item's.
         const scalar_t* const* value_requests = v_rows.rows;
         int64_t values_requested = cols;
         if (values_ahead) {
-          values_requested = std::clamp<int64_t>(key_end - key0 - kBlockK, 0, kBlockK);
-          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
-                     values_requested, next_values);
+          values_requested = next.cols;
+          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
+                     next_values);
           value_requests = next_values;
         }
-        if (keys_in_value_pass && key0 == key_begin) {  // no earlier pass requested this tile's rows
+        if (keys_in_value_pass && is_first) {  // no earlier pass requested this item's rows
           for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
           if (values_ahead) {
             for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
@@ -752,59 +799,65 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
           dispatch_direct_rows(rows, [&](auto kRows) {
             if constexpr (kScoreByBf16Dots<scalar_t>) {
               if (bf16_dots) {
-                return score_tile<kRows>(q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
+                return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
                                          values_requested, cols, p.head_dim, p.head_dim_v, s_tile, kBlockK);
               }
             }
-            score_tile<kRows>(q_tile, ld_d, acc_t(1), k_rows, value_requests, values_requested, cols, p.head_dim,
+            score_tile<kRows>(state.q, ld_d, acc_t(1), k_rows, value_requests, values_requested, cols, p.head_dim,
                               p.head_dim_v, s_tile, kBlockK);
           });
         } else {
           gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
           transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
           // S = Q K^T   [rows, cols]
-          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
+          tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
         }
         for (int64_t r = 0; r < rows; ++r) {
           acc_t* s = s_tile + r * kBlockK;
           const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
           std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
         }
-        online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2, row_sum, o_tile, ld_dv, p.head_dim_v);
+        online_softmax_tile(s_tile, kBlockK, rows, cols, state.row_max_log2, state.row_sum, state.o, ld_dv,
+                            p.head_dim_v);
         if (direct) {
           LineRequests<scalar_t> next_keys;
-          if (keys_in_value_pass && key0 + kBlockK < key_end) {  // this tile's keys are scored: reuse k_rows
-            k_rows.listed = std::min(kBlockK, key_end - key0 - kBlockK);
-            cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, kv_head, key0 + kBlockK,
-                       k_rows.listed, k_rows.rows);
+          if (keys_in_value_pass && next.cols > 0) {  // this item's keys are scored: reuse k_rows
+            cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
+                       k_rows.rows);
+            k_rows.listed = next.cols;
             next_keys = LineRequests<scalar_t>(k_rows.rows, k_rows.listed, p.head_dim);
           }
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, o_tile, ld_dv, next_keys);
+            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, state.o, ld_dv, next_keys);
           });
         } else {
           gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
           // O += P V   [rows, head_dim_v]
-          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, state.o, ld_dv);
         }
+        item = next;
       }
 
-      for (int64_t r = 0; r < rows; ++r) {
-        if (widen_in_pairs) reorder_groups_of_16(o_tile + r * ld_dv, p.head_dim_v, false);
-        const int64_t token = q_begin + first_query + r / group;
-        const int64_t head = kv_head * group + r % group;
-        const int64_t lse_index = token * p.num_heads + head;
-        if (splits == 1) {
-          scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
-                          head * p.out_strides.head;
-          static_cast<acc_t*>(p.lse)[lse_index] =
-              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max_log2[r] * kLn2, row_sum[r], out);
-        } else {
-          acc_t* partial = static_cast<acc_t*>(p.partial_out) +
-                           (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
-          static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
-              finish_row(o_tile + r * ld_dv, p.head_dim_v, row_max_log2[r] * kLn2, row_sum[r], partial);
+      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
+        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
+        for (int64_t r = 0; r < rows; ++r) {
+          acc_t* o_row = state.o + r * ld_dv;
+          if (widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
+          const int64_t token = q_begin + first_query + r / group;
+          const int64_t head = kv_head * group + r % group;
+          const int64_t lse_index = token * p.num_heads + head;
+          if (splits == 1) {
+            scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                            head * p.out_strides.head;
+            static_cast<acc_t*>(p.lse)[lse_index] =
+                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
+          } else {
+            acc_t* partial = static_cast<acc_t*>(p.partial_out) +
+                             (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
+            static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
+                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
+          }
         }
       }
     }
