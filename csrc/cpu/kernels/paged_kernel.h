@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "blocking.h"
 #include "kernel_common.h"
@@ -156,33 +157,24 @@ constexpr bool kValuesRequestedTileAhead =
     false;
 #endif
 
-// The lines of a list of rows, requested a few per step of a loop so that all are asked for
-// by its last step: the value pass requests the next tile's key rows so.
+// Rows whose lines a pass requests over `sweeps` sweeps through its keys: each sweep
+// requests its share of every row's lines, row c's at key c, so that each key costs the same
+// few requests and every line is asked for by the last sweep. The value pass requests the
+// next tile's key rows so, a sweep per O slice and row group; the next tile never has more
+// keys than this one (only a task's last key tile is short, and what follows it is the same
+// tile of the next head). A running position through the lines, a few per key, spent a
+// quarter of the value pass on its compares and branches (perf, fp32 32q/8kv decode from L2).
 template <typename scalar_t>
-class LineRequests {
- public:
-  LineRequests() = default;
-  LineRequests(const scalar_t* const* rows, int64_t count, int64_t dim)
-      : rows_(rows), count_(count), row_bytes_(dim * static_cast<int64_t>(sizeof(scalar_t))) {}
+struct SweepRequests {
+  const scalar_t* const* rows = nullptr;
+  int64_t count = 0;
+  int64_t dim = 0;
 
-  // Spreads the lines over `steps` calls of step().
-  void pace(int64_t steps) { per_step_ = ceil_div(count_ * ceil_div(row_bytes_, 64), std::max<int64_t>(steps, 1)); }
-
-  C10_ALWAYS_INLINE void step() {
-    for (int64_t i = 0; i < per_step_ && row_ < count_; ++i) {
-      request_line(reinterpret_cast<const char*>(rows_[row_]) + byte_);
-      byte_ += 64;
-      if (byte_ >= row_bytes_) {
-        byte_ = 0;
-        ++row_;
-      }
-    }
+  // Bytes [first, last) of each row, whole lines, that sweep `sweep` of `sweeps` requests.
+  std::pair<int64_t, int64_t> share(int64_t sweep, int64_t sweeps) const {
+    const int64_t lines = ceil_div(dim * static_cast<int64_t>(sizeof(scalar_t)), int64_t(64));
+    return {sweep * lines / sweeps * 64, (sweep + 1) * lines / sweeps * 64};
   }
-
- private:
-  const scalar_t* const* rows_ = nullptr;
-  int64_t count_ = 0, row_bytes_ = 0, per_step_ = 0;
-  int64_t row_ = 0, byte_ = 0;  // the next line: byte_ of rows_[row_]
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -533,13 +525,13 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
 // vectors): O's slice stays in registers while the tile's values pass by. kFull: the slice
 // lies inside dim; otherwise its vectors are cut at dim (lanes past it read and add 0). Full
 // slices are their own instantiation so that their loads carry no lane-count checks (GCC
-// kept a compare and branch per load in the loop over keys). kRequestAhead: a step of
-// `ahead` per key, on a copy that lives in registers (through the reference, GCC stored its
-// position back to memory at every step).
+// kept a compare and branch per load in the loop over keys). kRequestAhead: at key c, bytes
+// `share` of ahead's row c.
 template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
                                               int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
-                                              LineRequests<scalar_t>& ahead) {
+                                              const SweepRequests<scalar_t>& ahead,
+                                              std::pair<int64_t, int64_t> share) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
@@ -549,9 +541,13 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
   });
-  LineRequests<scalar_t> requests = ahead;
   for (int64_t c = 0; c < cols; ++c) {
-    if constexpr (kRequestAhead) requests.step();
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) {
+        const char* row = reinterpret_cast<const char*>(ahead.rows[c]);
+        for (int64_t byte = share.first; byte < share.second; byte += 64) request_line(row + byte);
+      }
+    }
     Vec v[kVectors];
     if constexpr (kWidenInPairs<scalar_t>) {
       static_assert(kVectors % 2 == 0, "pairs of vectors");
@@ -580,7 +576,6 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i].store(o + r * ld_o + d0 + j * kWidth, width[j]);
   });
-  ahead = requests;
 }
 
 // Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
@@ -598,7 +593,7 @@ constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 // requested spread over the pass.
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
-                       int64_t dim, acc_t* o, int64_t ld_o, LineRequests<scalar_t>& next_keys) {
+                       int64_t dim, acc_t* o, int64_t ld_o, const SweepRequests<scalar_t>& next_keys) {
   // Rows per group: kValueRowGroup's, but 8 rows of a cache widened in pairs go as two groups of
   // 4, whose accumulators fit the registers, as reading each value twice costs only a load
   // and two bit operations more (64q/8kv bf16 decode on Zen 1, medians of 8 rounds on two
@@ -609,12 +604,13 @@ void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const*
   constexpr int kGroups = ceil_div(kRows, kGroupRows);
   constexpr bool kRequestAhead = value_pass_requests_keys<scalar_t>(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
-  if constexpr (kRequestAhead) next_keys.pace(ceil_div(dim, slice_width) * kGroups * cols);
+  const int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
   auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
     unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr int r0 = group * kGroupRows;
       accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead>(
-          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys);
+          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys,
+          next_keys.share(d0 / slice_width * kGroups + group, sweeps));
     });
   };
   int64_t d0 = 0;
@@ -820,12 +816,12 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         online_softmax_tile(s_tile, kBlockK, rows, cols, state.row_max_log2, state.row_sum, state.o, ld_dv,
                             p.head_dim_v);
         if (direct) {
-          LineRequests<scalar_t> next_keys;
+          SweepRequests<scalar_t> next_keys;
           if (keys_in_value_pass && next.cols > 0) {  // this item's keys are scored: reuse k_rows
             cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
                        k_rows.rows);
             k_rows.listed = next.cols;
-            next_keys = LineRequests<scalar_t>(k_rows.rows, k_rows.listed, p.head_dim);
+            next_keys = {k_rows.rows, k_rows.listed, p.head_dim};
           }
           // O += P V, the cached value rows read in place.
           dispatch_direct_rows(rows, [&](auto kRows) {
