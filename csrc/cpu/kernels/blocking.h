@@ -21,12 +21,17 @@ constexpr int64_t kKeyBlock = 64;
 // decoded 1.15-1.25x faster direct).
 constexpr int64_t kDirectRows = 8;
 
+// Queries of one sequence that a paged task's tile takes: its rows are (query, head of the
+// GQA group) pairs, as many queries as fill a query block.
+inline int64_t paged_queries_per_tile(const PagedAttentionParams& p) {
+  return std::max<int64_t>(1, kQueryBlock / (p.num_heads / p.num_kv_heads));
+}
+
 // Query rows of the paged kernel's largest task for one kv head: queries of a sequence (at
-// most a query block's worth) times the heads of a GQA group.
+// most a tile's worth) times the heads of a GQA group.
 inline int64_t paged_task_rows(const PagedAttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t queries_per_tile = std::max<int64_t>(1, kQueryBlock / group);
-  return std::min(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile) * group;
+  return std::min(std::max<int64_t>(p.max_queries_per_seq, 1), paged_queries_per_tile(p)) * group;
 }
 
 struct PagedTaskPlan {

@@ -62,14 +62,16 @@ C10_ALWAYS_INLINE void request_line(const void* address) {
 #endif
 }
 
-// Requests elements [first, dim) of a row, one 64-byte line at a time.
+// Requests bytes [first_byte, end_byte) of a row, one 64-byte line at a time.
+C10_ALWAYS_INLINE void request_bytes(const void* row, int64_t first_byte, int64_t end_byte) {
+  const char* bytes = static_cast<const char*>(row);
+  for (int64_t byte = first_byte; byte < end_byte; byte += 64) request_line(bytes + byte);
+}
+
+// Requests elements [first, dim) of a row.
 template <typename scalar_t>
 void prefetch_row(const scalar_t* row, int64_t dim, int64_t first = 0) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t byte = first * static_cast<int64_t>(sizeof(scalar_t)); byte < dim * static_cast<int64_t>(sizeof(scalar_t));
-       byte += 64) {
-    request_line(bytes + byte);
-  }
+  request_bytes(row, first * static_cast<int64_t>(sizeof(scalar_t)), dim * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
 // One key tile of one kv head: keys [key0, key0 + cols); cols 0 marks the end of a task. A
@@ -543,10 +545,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
   for (int64_t c = 0; c < cols; ++c) {
     if constexpr (kRequestAhead) {
-      if (c < ahead.count) {
-        const char* row = reinterpret_cast<const char*>(ahead.rows[c]);
-        for (int64_t byte = share.first; byte < share.second; byte += 64) request_line(row + byte);
-      }
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
     }
     Vec v[kVectors];
     if constexpr (kWidenInPairs<scalar_t>) {
@@ -650,8 +649,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   constexpr int64_t kBlockK = kKeyBlock;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = p.num_heads / p.num_kv_heads;
-  // Tile rows are (query, head of the group) pairs: as many queries as fill kQueryBlock rows.
-  const int64_t queries_per_tile = std::max<int64_t>(1, kQueryBlock / group);
+  const int64_t queries_per_tile = paged_queries_per_tile(p);
   const int64_t tile_rows = paged_task_rows(p);
   const int64_t q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile);
   const int64_t splits = p.num_kv_splits;
