@@ -16,6 +16,7 @@
 
 #include "bench_common.h"
 #include "cpu/kernels/kernels.h"
+#include "cpu/paged_cpu.h"
 #include "paged_checks.h"
 
 namespace mha_ext::bench {
@@ -58,14 +59,10 @@ void paged_decode(benchmark::State& state) {
       make_paged_attention_params(step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
                                   1.0 / std::sqrt(static_cast<double>(step.head_dim)));
   check_paged_index_values(params);
-  at::Tensor out = at::empty_like(step.q);
-  at::Tensor lse = at::empty({step.batch, step.heads}, at::kFloat);
-  params.out = out.data_ptr();
-  params.out_strides = {out.stride(0), out.stride(1)};
-  params.lse = lse.data_ptr();
+  const PagedAttentionOutputs outputs = cpu::prepare_paged_run(params, step.q);  // the op's plan
   for (auto _ : state) {
     MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
-    benchmark::DoNotOptimize(out.data_ptr());
+    benchmark::DoNotOptimize(outputs.out.data_ptr());
   }
   step.report(state);
 }

@@ -6,10 +6,17 @@
 
 #include "attention_checks.h"
 #include "cpu/kernels/kernels.h"
+#include "cpu/paged_cpu.h"
 #include "mha_ext/paged_cache.h"
-#include "paged_checks.h"
 
 namespace mha_ext::cpu {
+
+PagedAttentionOutputs prepare_paged_run(PagedAttentionParams& params, const at::Tensor& q) {
+  const PagedTaskPlan plan = plan_paged_tasks(params, at::get_num_threads());
+  params.kv_heads_per_task = plan.kv_heads_per_task;
+  return prepare_paged_outputs(params, q, plan.kv_splits);
+}
+
 namespace {
 
 void paged_kv_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
@@ -27,9 +34,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, cons
   PagedAttentionParams params =
       make_paged_attention_params(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
   check_paged_index_values(params);
-  const PagedTaskPlan plan = plan_paged_tasks(params, at::get_num_threads());
-  params.kv_heads_per_task = plan.kv_heads_per_task;
-  const PagedAttentionOutputs outputs = prepare_paged_outputs(params, q, plan.kv_splits);
+  const PagedAttentionOutputs outputs = prepare_paged_run(params, q);
   MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
   return {outputs.out, outputs.lse};
 }
