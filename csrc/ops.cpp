@@ -1,6 +1,6 @@
-// Every op's schema, declared once. Backends register against these names with
-// TORCH_LIBRARY_IMPL (cpu/*.cpp, cuda/*_api.cpp); mha_ext/ops.py adds the fake (meta)
-// implementations and the autograd formulas.
+// Every op's schema, declared once. The op files csrc/ops/<family>.{h,cpp} implement them once
+// for every backend and register them with TORCH_LIBRARY_IMPL; mha_ext/ops.py adds the fake
+// (meta) implementations and merge_attention_states' autograd formula.
 #include <torch/library.h>
 
 TORCH_LIBRARY(mha_ext, m) {

@@ -5,78 +5,86 @@
 // an IValue against the schema: about 3.5 us of a 13 us forward call at shape (1, 1, 1, 64).
 // mha_ext/ops.py takes torch.ops instead while torch.compile traces and when an
 // argument overrides __torch_function__, which only torch.ops honours.
+//
+// The entry points derive from the op functions' signatures (ops/op_signature.h): each reads
+// its positional arguments by their C++ types and names them, in errors, as the schema does.
 #include "python_calls.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
-#include "op_handles.h"
+#include "ops/attention.h"
+#include "ops/merge.h"
+#include "ops/op_signature.h"
+#include "ops/paged.h"
 
 namespace mha_ext {
 namespace {
 
-// Positional arguments of one call, read in order; the first bad one raises a TypeError
+// "mha_ext::attention_forward" -> "mha_ext.attention_forward", as a Python user calls it.
+std::string python_name(const char* op_name) {
+  std::string name = op_name;
+  return name.replace(name.find("::"), 2, ".");
+}
+
+// Positional arguments of one call of Op, read in order; the first bad one raises a TypeError
 // naming the op and the argument.
+template <typename Op>
 class Arguments {
  public:
-  Arguments(const char* op, PyObject* const* args, Py_ssize_t count, Py_ssize_t expected) : op_(op), args_(args) {
+  Arguments(PyObject* const* args, Py_ssize_t count, Py_ssize_t expected) : args_(args) {
     if (count != expected) {
       throw c10::TypeError({__func__, __FILE__, __LINE__},
-                           c10::str(op, " takes ", expected, " positional arguments, got ", count));
+                           c10::str(python_name(Op::name), " takes ", expected,
+                                    " positional arguments, got ", count));
     }
   }
 
-  at::Tensor tensor(const char* name) {
+  template <typename T>
+  T next() {
     PyObject* arg = args_[next_++];
-    if (!THPVariable_Check(arg)) throw wrong_type(name, "a Tensor", arg);
-    return THPVariable_Unpack(arg);
-  }
-
-  std::optional<at::Tensor> optional_tensor(const char* name) {
-    if (args_[next_] == Py_None) {
-      ++next_;
-      return std::nullopt;
+    if constexpr (std::is_same_v<T, at::Tensor>) {
+      if (!THPVariable_Check(arg)) throw wrong_type("a Tensor", arg);
+      return THPVariable_Unpack(arg);
+    } else if constexpr (std::is_same_v<T, std::optional<at::Tensor>>) {
+      if (arg == Py_None) return std::nullopt;
+      if (!THPVariable_Check(arg)) throw wrong_type("a Tensor", arg);
+      return THPVariable_Unpack(arg);
+    } else if constexpr (std::is_same_v<T, double>) {
+      if (!PyFloat_Check(arg) && !PyLong_Check(arg)) throw wrong_type("a float", arg);
+      const double value = PyFloat_AsDouble(arg);
+      if (value == -1.0 && PyErr_Occurred()) throw python_error();
+      return value;
+    } else if constexpr (std::is_same_v<T, int64_t>) {
+      if (!PyLong_Check(arg)) throw wrong_type("an int", arg);
+      const long long value = PyLong_AsLongLong(arg);
+      if (value == -1 && PyErr_Occurred()) throw python_error();
+      return value;
+    } else {
+      static_assert(std::is_same_v<T, bool>, "an argument type the direct calls cannot read");
+      if (!PyBool_Check(arg)) throw wrong_type("a bool", arg);
+      return arg == Py_True;
     }
-    return tensor(name);
-  }
-
-  double real(const char* name) {
-    PyObject* arg = args_[next_++];
-    if (!PyFloat_Check(arg) && !PyLong_Check(arg)) throw wrong_type(name, "a float", arg);
-    const double value = PyFloat_AsDouble(arg);
-    if (value == -1.0 && PyErr_Occurred()) throw python_error();
-    return value;
-  }
-
-  int64_t integer(const char* name) {
-    PyObject* arg = args_[next_++];
-    if (!PyLong_Check(arg)) throw wrong_type(name, "an int", arg);
-    const long long value = PyLong_AsLongLong(arg);
-    if (value == -1 && PyErr_Occurred()) throw python_error();
-    return value;
-  }
-
-  bool boolean(const char* name) {
-    PyObject* arg = args_[next_++];
-    if (!PyBool_Check(arg)) throw wrong_type(name, "a bool", arg);
-    return arg == Py_True;
   }
 
  private:
-  c10::TypeError wrong_type(const char* name, const char* expected, PyObject* arg) const {
+  c10::TypeError wrong_type(const char* expected, PyObject* arg) const {
+    const std::string& name = op_handle<Op>().schema().arguments()[next_ - 1].name();
     return c10::TypeError({__func__, __FILE__, __LINE__},
-                          c10::str(op_, ": ", name, " must be ", expected, ", got ", Py_TYPE(arg)->tp_name));
+                          c10::str(python_name(Op::name), ": ", name, " must be ", expected,
+                                   ", got ", Py_TYPE(arg)->tp_name));
   }
 
-  const char* op_;
   PyObject* const* args_;
-  Py_ssize_t next_ = 0;
+  size_t next_ = 0;
 };
 
-PyObject* wrap_pair(std::tuple<at::Tensor, at::Tensor> pair) {
+PyObject* wrap(std::tuple<at::Tensor, at::Tensor> pair) {
   PyObject* first = THPVariable_Wrap(std::move(std::get<0>(pair)));
   PyObject* second = first ? THPVariable_Wrap(std::move(std::get<1>(pair))) : nullptr;
   if (second == nullptr) {
@@ -89,67 +97,83 @@ PyObject* wrap_pair(std::tuple<at::Tensor, at::Tensor> pair) {
   return tuple;
 }
 
-PyObject* attention_forward(PyObject*, PyObject* const* args, Py_ssize_t count) {
-  HANDLE_TH_ERRORS
-  Arguments read("mha_ext.attention_forward", args, count, 10);
-  const at::Tensor q = read.tensor("q"), k = read.tensor("k"), v = read.tensor("v");
-  const std::optional<at::Tensor> attn_mask = read.optional_tensor("attn_mask");
-  const std::optional<at::Tensor> dropout_seed = read.optional_tensor("dropout_seed");
-  const double dropout_p = read.real("dropout_p"), scale = read.real("scale");
-  const int64_t window_left = read.integer("window_left"), window_right = read.integer("window_right");
-  const bool bottom_right = read.boolean("bottom_right");
-  std::tuple<at::Tensor, at::Tensor> result;
-  {
-    const auto& op = attention_forward_op();
-    pybind11::gil_scoped_release no_gil;
-    result = op.call(q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
+template <typename Op, typename Signature = typename Op::Signature>
+struct DirectCall;
+
+template <typename Op, typename Result, typename... Args>
+struct DirectCall<Op, Result(Args...)> {
+  static PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t count) {
+    HANDLE_TH_ERRORS
+    Arguments<Op> read(args, count, sizeof...(Args));
+    // A braced list reads the arguments in order.
+    std::tuple<std::decay_t<Args>...> values{read.template next<std::decay_t<Args>>()...};
+    const auto& op = op_handle<Op>();
+    const auto call_op = [&] {
+      pybind11::gil_scoped_release no_gil;
+      return std::apply([&](auto&... value) { return op.call(value...); }, values);
+    };
+    if constexpr (std::is_void_v<Result>) {
+      call_op();
+      Py_RETURN_NONE;
+    } else {
+      return wrap(call_op());
+    }
+    END_HANDLE_TH_ERRORS
   }
-  return wrap_pair(std::move(result));
-  END_HANDLE_TH_ERRORS
+
+  static PyMethodDef method(const char* doc) {
+    // The Python name: the op's name without "mha_ext::", kept alive by the op's static string.
+    return {Op::name + sizeof("mha_ext::") - 1,
+            reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)), METH_FASTCALL,
+            doc};
+  }
+};
+
+constexpr const char* kDirectDoc = "torch.ops.mha_ext.<op>.default without boxing the arguments.";
+
+// {name: (argument types, return types)} of one op, as the schema spells them.
+template <typename Op>
+bool add_signature(PyObject* dict) {
+  using Types = SignatureTypes<typename Op::Signature>;
+  PyObject* arguments = PyList_New(0);
+  PyObject* returns = PyList_New(0);
+  bool ok = arguments != nullptr && returns != nullptr;
+  for (auto [list, names] : {std::pair{arguments, Types::arguments()}, std::pair{returns, Types::returns()}}) {
+    for (const std::string& name : names) {
+      PyObject* item = ok ? PyUnicode_FromString(name.c_str()) : nullptr;
+      ok = item != nullptr && PyList_Append(list, item) == 0;
+      Py_XDECREF(item);
+    }
+  }
+  PyObject* pair = ok ? PyTuple_Pack(2, arguments, returns) : nullptr;
+  Py_XDECREF(arguments);
+  Py_XDECREF(returns);
+  ok = pair != nullptr && PyDict_SetItemString(dict, Op::name, pair) == 0;
+  Py_XDECREF(pair);
+  return ok;
 }
 
-PyObject* paged_kv_append(PyObject*, PyObject* const* args, Py_ssize_t count) {
-  HANDLE_TH_ERRORS
-  Arguments read("mha_ext.paged_kv_append", args, count, 5);
-  const at::Tensor key = read.tensor("key"), value = read.tensor("value");
-  at::Tensor k_cache = read.tensor("k_cache"), v_cache = read.tensor("v_cache");
-  const at::Tensor slot_mapping = read.tensor("slot_mapping");
-  {
-    const auto& op = paged_kv_append_op();
-    pybind11::gil_scoped_release no_gil;
-    op.call(key, value, k_cache, v_cache, slot_mapping);
-  }
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* paged_attention(PyObject*, PyObject* const* args, Py_ssize_t count) {
-  HANDLE_TH_ERRORS
-  Arguments read("mha_ext.paged_attention", args, count, 7);
-  const at::Tensor q = read.tensor("q"), k_cache = read.tensor("k_cache"), v_cache = read.tensor("v_cache");
-  const at::Tensor block_tables = read.tensor("block_tables"), seq_lens = read.tensor("seq_lens");
-  const at::Tensor cu_seqlens_q = read.tensor("cu_seqlens_q");
-  const double scale = read.real("scale");
-  std::tuple<at::Tensor, at::Tensor> result;
-  {
-    const auto& op = paged_attention_op();
-    pybind11::gil_scoped_release no_gil;
-    result = op.call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale);
-  }
-  return wrap_pair(std::move(result));
-  END_HANDLE_TH_ERRORS
+PyObject* op_signatures(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  const bool ok = dict != nullptr && add_signature<AttentionForwardOp>(dict) &&
+                  add_signature<AttentionBackwardOp>(dict) && add_signature<DropoutMaskOp>(dict) &&
+                  add_signature<PagedKvAppendOp>(dict) && add_signature<PagedAttentionOp>(dict) &&
+                  add_signature<MergeAttentionStatesOp>(dict);
+  if (!ok) Py_CLEAR(dict);
+  return dict;
 }
 
 }  // namespace
 
 PyMethodDef* direct_op_calls() {
   static PyMethodDef calls[] = {
-      {"attention_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention_forward)),
-       METH_FASTCALL, "torch.ops.mha_ext.attention_forward.default without boxing the arguments."},
-      {"paged_kv_append", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(paged_kv_append)),
-       METH_FASTCALL, "torch.ops.mha_ext.paged_kv_append.default without boxing the arguments."},
-      {"paged_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(paged_attention)),
-       METH_FASTCALL, "torch.ops.mha_ext.paged_attention.default without boxing the arguments."},
+      DirectCall<AttentionForwardOp>::method(kDirectDoc),
+      DirectCall<PagedKvAppendOp>::method(kDirectDoc),
+      DirectCall<PagedAttentionOp>::method(kDirectDoc),
+      {"_op_signatures", op_signatures, METH_NOARGS,
+       "{op name: (argument types, return types)} of the C++ op functions that the direct "
+       "calls, the typed handles and the autograd kernel derive from: tests compare it with "
+       "the registered schemas."},
       {nullptr, nullptr, 0, nullptr},
   };
   return calls;

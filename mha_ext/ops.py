@@ -1,7 +1,8 @@
 """Typed wrappers over torch.ops.mha_ext.*, plus what torch.compile and autograd need.
 
-The schemas are declared once in csrc/ops.cpp and the backends register in C++, as does
-attention's autograd (csrc/autograd.cpp: its backward is the attention_backward op). This
+The schemas are declared once in csrc/ops.cpp; the op files csrc/ops/<family>.{h,cpp} hold
+each op's C++ body and register it for every backend, as does attention's autograd (in
+csrc/ops/attention.cpp: its backward is the attention_backward op). This
 module adds the fake (meta) implementations, which let torch.compile trace the ops without
 running them, and the autograd formula of merge_attention_states.
 
@@ -113,7 +114,7 @@ def _attention_forward_fake(
 ):
     batch, heads, seq_q, _ = q.shape
     head_dim_v = v.shape[-1]
-    # Same layout rule as empty_attention_output in csrc/attention_checks.cpp: the output
+    # Same layout rule as empty_attention_output in csrc/ops/attention.h: the output
     # keeps q's memory order, so (B, S, H, D) views stay views through the op.
     if q.stride(1) < q.stride(2):
         out = q.new_empty(batch, seq_q, heads, head_dim_v).transpose(1, 2)

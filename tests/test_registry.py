@@ -163,3 +163,51 @@ def test_direct_calls_name_an_argument_of_the_wrong_type():
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 2**64, -1, False)
     with pytest.raises(TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"):
         mha_ext._C.paged_attention(q[0], k, v, None, None, None)
+
+
+def registered_ops():
+    """The mha_ext ops torch knows, by name without the namespace."""
+    names = torch._C._dispatch_get_all_op_names()
+    return sorted(name.split("::")[1] for name in names if name.startswith("mha_ext::"))
+
+
+def schema_types(op):
+    """(argument types, return types) of an op's registered schema as the schema text spells
+    them ("Tensor?", not Python's "Optional[Tensor]"); a written tensor is "Tensor!" (the
+    schema's "Tensor(a!)")."""
+    schema = getattr(torch.ops.mha_ext, op).default._schema
+    arguments = [str(a.type).replace("Optional[Tensor]", "Tensor?")
+                 + ("!" if a.alias_info is not None and a.alias_info.is_write else "")
+                 for a in schema.arguments]
+    return arguments, [str(r.type) for r in schema.returns]
+
+
+def test_cpp_op_signatures_match_the_schemas():
+    # The typed handles, the direct entry points and attention's autograd kernel all derive
+    # from these C++ signatures, so a signature that drifts from its schema fails here.
+    signatures = mha_ext._C._op_signatures()
+    assert sorted(name.split("::")[1] for name in signatures) == registered_ops()
+    for name, (arguments, returns) in signatures.items():
+        assert (arguments, returns) == schema_types(name.split("::")[1]), name
+
+
+# A value of each schema type that a direct entry point accepts, and one it must refuse.
+VALID = {"Tensor": torch.zeros(1), "Tensor!": torch.zeros(1), "Tensor?": None, "float": 1.0,
+         "int": 1, "bool": True}
+WRONG = {"Tensor": "x", "Tensor!": "x", "Tensor?": 1.5, "float": "x", "int": 1.5, "bool": 1}
+
+
+@pytest.mark.parametrize("op", ["attention_forward", "paged_kv_append", "paged_attention"])
+def test_direct_entry_points_match_the_schemas(op):
+    direct = getattr(mha_ext._C, op)
+    schema = getattr(torch.ops.mha_ext, op).default._schema
+    arguments, _ = schema_types(op)
+    with pytest.raises(TypeError, match=rf"mha_ext.{op} takes {len(arguments)} positional arguments, got 0"):
+        direct()
+    # Each position reads the schema's type under the schema's name: a wrong value there is
+    # refused by name, after every earlier position accepted a value of its schema type.
+    for position, (argument, type_name) in enumerate(zip(schema.arguments, arguments)):
+        args = [VALID[t] for t in arguments]
+        args[position] = WRONG[type_name]
+        with pytest.raises(TypeError, match=rf"^mha_ext.{op}: {argument.name} must be "):
+            direct(*args)

@@ -7,17 +7,17 @@
 // causal; e.g. --shape=1,32,8,2048,128,1,1 is Llama-style GQA prefill in bf16, causal.
 #include <optional>
 
-#include "attention_checks.h"
 #include "bench_common.h"
-#include "cpu/kernels/kernels.h"
+#include "cpu/backend.h"
+#include "ops/attention.h"
 
 namespace mha_ext::bench {
 namespace {
 
 struct Problem {
   at::Tensor q, k, v, out, lse;
-  at::Tensor kv_pairs;  // the bf16 forward's workspace (without it bf16 runs on the fp32 tiles)
   AttentionForwardParams params;  // pointing at the tensors above, outputs included
+  cpu::Backend::AttentionForwardPlan plan;  // the op's plan: the bf16 forward's workspace
   double forward_flops;
 };
 
@@ -35,8 +35,7 @@ Problem make_problem(const benchmark::State& state) {
   p.out = at::empty_like(p.q);
   p.lse = at::empty({batch, heads, seq}, at::kFloat);
   set_forward_outputs(p.params, p.out, p.lse);
-  p.kv_pairs = at::empty({cpu::kv_pairs_size(p.params)}, p.q.options());
-  p.params.kv_pairs = p.kv_pairs.data_ptr();
+  p.plan = cpu::Backend::plan(p.params, p.q);
   p.forward_flops = 4.0 * batch * heads * seq * seq * head_dim / (causal ? 2 : 1);
   return p;
 }
@@ -50,7 +49,7 @@ void set_counters(benchmark::State& state, const Problem& p, double flops) {
 void attention_forward(benchmark::State& state) {
   Problem p = make_problem(state);
   for (auto _ : state) {
-    MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);
+    cpu::Backend::run(p.params, p.plan);
     benchmark::DoNotOptimize(p.out.data_ptr());
   }
   set_counters(state, p, p.forward_flops);
@@ -58,19 +57,16 @@ void attention_forward(benchmark::State& state) {
 
 void attention_backward(benchmark::State& state) {
   Problem p = make_problem(state);
-  MHA_EXT_RUN_CPU_KERNEL(attention_forward, p.params);  // the out and lse the backward reads
+  cpu::Backend::run(p.params, p.plan);  // the out and lse the backward reads
 
-  AttentionBackwardParams bwd;
-  static_cast<AttentionForwardParams&>(bwd) = p.params;
+  AttentionBackwardCall bwd;
+  static_cast<AttentionForwardParams&>(bwd.params) = p.params;
   at::Tensor grad_out = random(p.out.sizes(), state.range(5));
-  const BackwardTensors tensors =
-      prepare_backward(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse, /*num_kv_splits=*/1, zeros_per_call);
-  // The bf16 kernel's Q^T / dO^T workspace (without it bf16 would run on the fp32 tiles).
-  const at::Tensor transposed = at::empty({cpu::q_grad_out_transposed_size(bwd)}, p.q.options());
-  bwd.q_grad_out_transposed = transposed.data_ptr();
+  fill_backward_tensors(bwd, grad_out, std::nullopt, p.q, p.k, p.v, p.out, p.lse);
+  const cpu::Backend::AttentionBackwardPlan plan = cpu::Backend::plan(bwd.params, p.q);
   for (auto _ : state) {
-    MHA_EXT_RUN_CPU_KERNEL(attention_backward, bwd);
-    benchmark::DoNotOptimize(tensors.grad_q.data_ptr());
+    cpu::Backend::run(bwd.params, plan);
+    benchmark::DoNotOptimize(bwd.grad_q.data_ptr());
   }
   set_counters(state, p, 2.5 * p.forward_flops);
 }

@@ -15,9 +15,9 @@
 #include <numeric>
 
 #include "bench_common.h"
+#include "cpu/backend.h"
 #include "cpu/kernels/kernels.h"
-#include "cpu/paged_cpu.h"
-#include "paged_checks.h"
+#include "ops/paged.h"
 
 namespace mha_ext::bench {
 namespace {
@@ -57,11 +57,13 @@ void paged_decode(benchmark::State& state) {
   at::Tensor cu_seqlens = at::arange(step.batch + 1, at::kInt);
   PagedAttentionParams params =
       make_paged_attention_params(step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
-                                  1.0 / std::sqrt(static_cast<double>(step.head_dim)));
-  check_paged_index_values(params);
-  const PagedAttentionOutputs outputs = cpu::prepare_paged_run(params, step.q);  // the op's plan
+                                  1.0 / std::sqrt(static_cast<double>(step.head_dim)),
+                                  cpu::Backend::kIndicesOnHost);
+  const PagedAttentionOutputs outputs = allocate_paged_outputs(params, step.q);
+  const auto plan = cpu::Backend::plan(params, step.q);  // the op's plan
+  const PagedSplitWorkspaces splits = allocate_split_workspaces(params, step.q);
   for (auto _ : state) {
-    MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
+    cpu::Backend::run(params, plan);
     benchmark::DoNotOptimize(outputs.out.data_ptr());
   }
   step.report(state);
@@ -152,8 +154,7 @@ void paged_append(benchmark::State& state) {
   at::Tensor v_cache = at::zeros_like(k_cache);
   at::Tensor key = random({1, kv_heads, head_dim}, dtype), value = random({1, kv_heads, head_dim}, dtype);
   at::Tensor slot = at::full({1}, context, at::kLong);  // the token after `context` cached ones
-  const PagedAppendParams params = make_append_params(key, value, k_cache, v_cache, slot);
-  check_slot_values(params);
+  const PagedAppendParams params = make_append_params(key, value, k_cache, v_cache, slot, cpu::Backend::kIndicesOnHost);
   for (auto _ : state) {
     cpu::paged_kv_append(params);
     benchmark::ClobberMemory();

@@ -1,7 +1,7 @@
 #pragma once
 // Plain parameter structs for the attention kernels: pointers, int64 sizes and strides.
 // No torch types, so the same struct feeds the CPU kernels, the CUDA kernels and the
-// C++ benchmarks. Filled in one place per op (csrc/attention_checks.cpp).
+// C++ benchmarks. Filled in one place per op (csrc/ops/<op family>.h).
 #include <cstdint>
 
 namespace mha_ext {
@@ -47,8 +47,22 @@ struct DropoutParams {
   // probability is 1 - drop_threshold / 2^32 (see philox.h).
   uint32_t drop_threshold = 0;
   double keep_scale = 1.0;  // 1 / (1 - dropout_p), applied to kept probabilities
+  // The dropout_seed tensor's element, in the memory of the tensor's device: the CUDA kernels
+  // read it there, so no launch waits for the host. `seed` holds its value where the host
+  // can read it (a CPU seed).
+  const int64_t* seed_address = nullptr;
   uint64_t seed = 0;
   bool enabled = false;
+};
+
+// The dropout_mask op: the keep-mask that attention with the same seed and dropout_p draws.
+struct DropoutMaskParams {
+  bool* keep = nullptr;  // [batch, num_heads, seq_q, seq_k] contiguous
+  DropoutParams dropout;
+  int64_t batch = 0;
+  int64_t num_heads = 0;
+  int64_t seq_q = 0;
+  int64_t seq_k = 0;
 };
 
 struct AttentionForwardParams {

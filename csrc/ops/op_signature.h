@@ -1,0 +1,78 @@
+#pragma once
+// What derives from an op function's C++ signature (ops/<family>.h), so that an argument is
+// spelled only in the schema and the op file: typed dispatcher handles for C++ callers, and
+// the type names the schema test compares against torch.ops.mha_ext.<op>.default._schema.
+//
+// Each op file describes its ops for this header with one struct per op:
+//   struct AttentionForwardOp {
+//     static constexpr const char* name = "mha_ext::attention_forward";
+//     using Signature = decltype(attention_forward<AnyBackend>);
+//   };
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace mha_ext {
+
+// Names a backend where only an op function's type is needed: decltype does not instantiate
+// the function's body.
+struct AnyBackend;
+
+// The typed dispatcher handle of Op, looked up on first use. typed() checks the signature
+// against the kernels registered for the op's schema.
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::Signature>& op_handle() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, "").template typed<typename Op::Signature>();
+  return handle;
+}
+
+// The schema's spelling of a C++ argument or return type: "Tensor", "Tensor?", "float",
+// "int", "bool"; a mutable tensor reference is "Tensor(a!)" in a schema, "Tensor!" here.
+template <typename T>
+std::string schema_type_name() {
+  using Value = std::remove_cv_t<std::remove_reference_t<T>>;
+  if constexpr (std::is_same_v<Value, at::Tensor>) {
+    const bool mutable_ref = std::is_lvalue_reference_v<T> &&
+                             !std::is_const_v<std::remove_reference_t<T>>;
+    return mutable_ref ? "Tensor!" : "Tensor";
+  } else if constexpr (std::is_same_v<Value, std::optional<at::Tensor>>) {
+    return "Tensor?";
+  } else if constexpr (std::is_same_v<Value, double>) {
+    return "float";
+  } else if constexpr (std::is_same_v<Value, int64_t>) {
+    return "int";
+  } else if constexpr (std::is_same_v<Value, bool>) {
+    return "bool";
+  } else {
+    static_assert(!std::is_same_v<Value, Value>, "an op argument type without a schema name");
+  }
+}
+
+template <typename Result>
+std::vector<std::string> schema_return_names() {
+  if constexpr (std::is_void_v<Result>) {
+    return {};
+  } else if constexpr (std::is_same_v<Result, at::Tensor>) {
+    return {"Tensor"};
+  } else {
+    return std::apply([](auto... parts) { return std::vector<std::string>{schema_type_name<decltype(parts)>()...}; },
+                      Result{});
+  }
+}
+
+template <typename Signature>
+struct SignatureTypes;
+
+// The argument and return type names of a signature, in order.
+template <typename Result, typename... Args>
+struct SignatureTypes<Result(Args...)> {
+  static std::vector<std::string> arguments() { return {schema_type_name<Args>()...}; }
+  static std::vector<std::string> returns() { return schema_return_names<Result>(); }
+};
+
+}  // namespace mha_ext

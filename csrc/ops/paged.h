@@ -1,0 +1,294 @@
+#pragma once
+// The paged KV-cache ops, written once for every backend (ops/attention.h explains the
+// plan/run contract): paged_kv_append and paged_attention. Contracts: the schemas in
+// csrc/ops.cpp; ops/paged.cpp registers them.
+//
+// Index values (slots, block ids, lengths) are checked on the host before anything is
+// written where the backend keeps its indices there (Backend::kIndicesOnHost: the CPU). A
+// backend whose indices stay in device memory guards them in its kernels (cuda/kernels/
+// launchers.h says how); MHA_EXT_CHECK_INDICES=1 copies them to the host and checks them there
+// too (a debugging aid: it syncs).
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+
+#include "mha_ext/paged_params.h"
+#include "ops/tensor_checks.h"
+
+namespace mha_ext {
+
+namespace paged_detail {
+
+constexpr const char* kAppendOp = "mha_ext.paged_kv_append: ";
+constexpr const char* kPagedOp = "mha_ext.paged_attention: ";
+
+inline bool check_device_indices_on_host() {
+  const char* setting = std::getenv("MHA_EXT_CHECK_INDICES");
+  return setting != nullptr && std::strcmp(setting, "1") == 0;
+}
+
+// The [num_blocks, num_kv_heads, block_size, dim] caches agree with each other.
+inline void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const char* dims = "[num_blocks, num_kv_heads, block_size, head_dim]";
+  check_rank(op, k_cache, "k_cache", 4, dims);
+  check_rank(op, v_cache, "v_cache", 4, dims);
+  check_same_dtype(op, k_cache, "k_cache", v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), op,
+              "k_cache and v_cache must agree in [num_blocks, num_kv_heads, block_size], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+}
+
+// Every slot is -1 or inside the cache. slots: host memory, [num_tokens].
+inline void check_slot_values(const int64_t* slots, int64_t num_tokens, int64_t num_blocks,
+                              int64_t block_size) {
+  const int64_t capacity = num_blocks * block_size;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < capacity, kAppendOp, "slot_mapping[", t, "] = ",
+                slots[t], " is outside the cache's ", capacity, " slots (", num_blocks,
+                " blocks x ", block_size, "); -1 marks a token to skip. Nothing was written.");
+  }
+}
+
+// Checks the index values of a paged_attention call against its params and returns the
+// largest query count and the largest length of a sequence. The index tensors: host memory.
+inline std::pair<int64_t, int64_t> check_paged_index_values(const PagedAttentionParams& p,
+                                                            const int32_t* block_tables,
+                                                            int64_t block_table_stride,
+                                                            const int32_t* seq_lens,
+                                                            const int32_t* cu_seqlens_q) {
+  TORCH_CHECK(cu_seqlens_q[0] == 0 && cu_seqlens_q[p.batch] == p.total_q, kPagedOp,
+              "cu_seqlens_q must start at 0 and end at total_q = ", p.total_q, ", got ",
+              cu_seqlens_q[0], " and ", cu_seqlens_q[p.batch]);
+  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
+  int64_t max_queries = 0, max_seq_len = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t queries = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+    const int64_t seq_len = seq_lens[b];
+    TORCH_CHECK(queries >= 0, kPagedOp, "cu_seqlens_q must not decrease, got cu_seqlens_q[", b,
+                "] = ", cu_seqlens_q[b], " > cu_seqlens_q[", b + 1, "] = ", cu_seqlens_q[b + 1]);
+    TORCH_CHECK(seq_len >= queries, kPagedOp, "sequence ", b, " has ", queries,
+                " queries but seq_lens[", b, "] = ", seq_len,
+                " (seq_lens counts the cached tokens, the new ones included)");
+    TORCH_CHECK(seq_len <= capacity, kPagedOp, "seq_lens[", b, "] = ", seq_len,
+                " exceeds what a block table row holds: ", p.max_blocks_per_seq, " blocks x ",
+                p.block_size, " = ", capacity);
+    const int32_t* table = block_tables + b * block_table_stride;
+    for (int64_t i = 0; i < (seq_len + p.block_size - 1) / p.block_size; ++i) {
+      TORCH_CHECK(table[i] >= 0 && table[i] < p.num_blocks, kPagedOp, "block_tables[", b, ", ",
+                  i, "] = ", table[i], " is outside the cache's ", p.num_blocks, " blocks");
+    }
+    max_queries = std::max(max_queries, queries);
+    max_seq_len = std::max(max_seq_len, seq_len);
+  }
+  return {max_queries, max_seq_len};
+}
+
+}  // namespace paged_detail
+
+// Validates one append (slot values included, where indices_on_host or MHA_EXT_CHECK_INDICES
+// says so) and fills its params.
+inline PagedAppendParams make_append_params(const at::Tensor& key, const at::Tensor& value,
+                                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                            const at::Tensor& slot_mapping, bool indices_on_host) {
+  using namespace paged_detail;
+  const char* dims = "[num_tokens, num_kv_heads, head_dim]";
+  check_rank(kAppendOp, key, "key", 3, dims);
+  check_rank(kAppendOp, value, "value", 3, dims);
+  check_caches(kAppendOp, k_cache, v_cache);
+  check_same_dtype(kAppendOp, key, "key", k_cache, "k_cache");
+  check_same_dtype(kAppendOp, value, "value", v_cache, "v_cache");
+  TORCH_CHECK(slot_mapping.dim() == 1, kAppendOp,
+              "slot_mapping must be 1-D [num_tokens], got shape ", slot_mapping.sizes());
+  check_index_tensor(kAppendOp, slot_mapping, "slot_mapping", at::kLong, k_cache.device());
+  TORCH_CHECK(value.size(0) == key.size(0) && slot_mapping.size(0) == key.size(0), kAppendOp,
+              "key, value and slot_mapping must have one entry per token, got ", key.size(0),
+              ", ", value.size(0), " and ", slot_mapping.size(0));
+  TORCH_CHECK(key.size(1) == k_cache.size(1) && value.size(1) == k_cache.size(1), kAppendOp,
+              "key and value have ", key.size(1), " and ", value.size(1),
+              " kv heads but the cache has ", k_cache.size(1));
+  TORCH_CHECK(key.size(2) == k_cache.size(3), kAppendOp, "key has head_dim ", key.size(2),
+              " but k_cache has ", k_cache.size(3));
+  TORCH_CHECK(value.size(2) == v_cache.size(3), kAppendOp, "value has head_dim ", value.size(2),
+              " but v_cache has ", v_cache.size(3));
+
+  PagedAppendParams p;
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.num_tokens = key.size(0);
+  p.num_kv_heads = key.size(1);
+  p.head_dim = key.size(2);
+  p.head_dim_v = value.size(2);
+  p.num_blocks = k_cache.size(0);
+  p.block_size = k_cache.size(2);
+  p.element_size = static_cast<int64_t>(key.element_size());
+  p.key_strides = token_strides(key);
+  p.value_strides = token_strides(value);
+  p.k_cache_strides = cache_strides(k_cache);
+  p.v_cache_strides = cache_strides(v_cache);
+  if (indices_on_host) {
+    check_slot_values(p.slot_mapping, p.num_tokens, p.num_blocks, p.block_size);
+  } else if (check_device_indices_on_host()) {
+    const at::Tensor host_slots = slot_mapping.cpu();
+    check_slot_values(host_slots.const_data_ptr<int64_t>(), p.num_tokens, p.num_blocks,
+                      p.block_size);
+  }
+  return p;
+}
+
+template <typename Backend>
+void paged_kv_append(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  PagedAppendParams params =
+      make_append_params(key, value, k_cache, v_cache, slot_mapping, Backend::kIndicesOnHost);
+  Backend::run(params, Backend::plan(params, key));
+}
+
+// Validates one paged_attention call and fills its params, outputs excepted. With
+// indices_on_host, max_queries_per_seq and max_seq_len are exact; for device indices they are
+// the bounds the shapes give (all the queries, a whole block-table row).
+inline PagedAttentionParams make_paged_attention_params(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+    double scale, bool indices_on_host) {
+  using namespace paged_detail;
+  check_rank(kPagedOp, q, "q", 3, "[total_q, num_heads, head_dim]");
+  check_caches(kPagedOp, k_cache, v_cache);
+  check_same_dtype(kPagedOp, q, "q", k_cache, "k_cache");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, kPagedOp,
+              "the cache has ", k_cache.size(1), " kv heads, which does not divide q's ",
+              q.size(1), " heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), kPagedOp, "q has head_dim ", q.size(2),
+              " but k_cache has ", k_cache.size(3));
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim && v_cache.size(3) <= kMaxHeadDim, kPagedOp,
+              "head_dim ", q.size(2), " (q, k) and ", v_cache.size(3), " (v) must not exceed ",
+              kMaxHeadDim);
+  TORCH_CHECK(block_tables.dim() == 2, kPagedOp,
+              "block_tables must be 2-D [batch, max_blocks], got shape ", block_tables.sizes());
+  TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1, kPagedOp,
+              "block_tables must have a contiguous last dimension, got strides ",
+              block_tables.strides());
+  for (const auto& [tensor, name] : {std::pair{&block_tables, "block_tables"},
+                                     std::pair{&seq_lens, "seq_lens"},
+                                     std::pair{&cu_seqlens_q, "cu_seqlens_q"}}) {
+    check_index_tensor(kPagedOp, *tensor, name, at::kInt, k_cache.device());
+  }
+  const int64_t batch = block_tables.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == batch, kPagedOp,
+              "seq_lens must have shape [", batch, "] (one length per block table row), got ",
+              seq_lens.sizes());
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) == batch + 1, kPagedOp,
+              "cu_seqlens_q must have shape [", batch + 1, "] (batch + 1), got ",
+              cu_seqlens_q.sizes());
+  TORCH_CHECK(std::isfinite(scale), kPagedOp, "scale must be finite, got ", scale);
+
+  PagedAttentionParams p;
+  p.dtype = to_dtype(q.scalar_type(), kPagedOp, "q");
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  p.batch = batch;
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.block_table_stride = block_tables.stride(0);
+  p.total_q = q.size(0);
+  p.num_heads = q.size(1);
+  p.num_kv_heads = k_cache.size(1);
+  p.head_dim = q.size(2);
+  p.head_dim_v = v_cache.size(3);
+  p.block_size = k_cache.size(2);
+  p.num_blocks = k_cache.size(0);
+  p.q_strides = token_strides(q);
+  p.k_cache_strides = cache_strides(k_cache);
+  p.v_cache_strides = cache_strides(v_cache);
+  p.scale = scale;
+  if (indices_on_host) {
+    std::tie(p.max_queries_per_seq, p.max_seq_len) = check_paged_index_values(
+        p, p.block_tables, p.block_table_stride, p.seq_lens, p.cu_seqlens_q);
+    return p;
+  }
+  if (check_device_indices_on_host()) {
+    const at::Tensor host_tables = block_tables.contiguous().cpu();
+    const at::Tensor host_lens = seq_lens.cpu(), host_cu = cu_seqlens_q.cpu();
+    check_paged_index_values(p, host_tables.const_data_ptr<int32_t>(), host_tables.size(1),
+                             host_lens.const_data_ptr<int32_t>(),
+                             host_cu.const_data_ptr<int32_t>());
+  }
+  p.max_queries_per_seq = p.total_q;
+  p.max_seq_len = p.max_blocks_per_seq * p.block_size;
+  return p;
+}
+
+// paged_attention's outputs, out [total_q, heads, head_dim_v] and lse [total_q, heads] in
+// the accumulation type, with the params pointing at them.
+struct PagedAttentionOutputs {
+  at::Tensor out, lse;
+};
+
+inline PagedAttentionOutputs allocate_paged_outputs(PagedAttentionParams& params,
+                                                    const at::Tensor& q) {
+  PagedAttentionOutputs t;
+  t.out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
+  t.lse = at::empty({params.total_q, params.num_heads},
+                    q.options().dtype(accumulate_dtype(q.scalar_type())));
+  params.out = t.out.data_ptr();
+  params.out_strides = token_strides(t.out);
+  params.lse = t.lse.data_ptr();
+  return t;
+}
+
+// The split-K partials that the kernels merge by logsumexp into out and lse, for the
+// params.num_kv_splits that the backend's plan chose (none with one split).
+struct PagedSplitWorkspaces {
+  at::Tensor partial_out, partial_lse;
+};
+
+inline PagedSplitWorkspaces allocate_split_workspaces(PagedAttentionParams& params,
+                                                      const at::Tensor& q) {
+  PagedSplitWorkspaces t;
+  if (params.num_kv_splits == 1) return t;
+  const at::TensorOptions options = q.options().dtype(accumulate_dtype(q.scalar_type()));
+  t.partial_out = at::empty(
+      {params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v}, options);
+  t.partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads}, options);
+  params.partial_out = t.partial_out.data_ptr();
+  params.partial_lse = t.partial_lse.data_ptr();
+  return t;
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache,
+                                                   const at::Tensor& block_tables,
+                                                   const at::Tensor& seq_lens,
+                                                   const at::Tensor& cu_seqlens_q, double scale) {
+  PagedAttentionParams params = make_paged_attention_params(
+      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, Backend::kIndicesOnHost);
+  const PagedAttentionOutputs outputs = allocate_paged_outputs(params, q);
+  const auto plan = Backend::plan(params, q);  // sets num_kv_splits
+  const PagedSplitWorkspaces splits = allocate_split_workspaces(params, q);
+  Backend::run(params, plan);
+  return {outputs.out, outputs.lse};
+}
+
+// The ops' descriptions for ops/op_signature.h (AnyBackend: only the function types matter).
+struct AnyBackend;
+struct PagedKvAppendOp {
+  static constexpr const char* name = "mha_ext::paged_kv_append";
+  using Signature = decltype(paged_kv_append<AnyBackend>);
+};
+struct PagedAttentionOp {
+  static constexpr const char* name = "mha_ext::paged_attention";
+  using Signature = decltype(paged_attention<AnyBackend>);
+};
+
+}  // namespace mha_ext
