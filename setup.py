@@ -147,5 +147,6 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
-    install_requires=["torch>=2.5"],
+    # numpy: torch imports without it but warns "Failed to initialize NumPy" on every import.
+    install_requires=["torch>=2.5", "numpy"],
 )
