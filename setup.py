@@ -10,6 +10,7 @@ Environment:
 """
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,16 @@ import torch
 
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def package_version():
+    """mha_ext.__version__, read from the package's source: the number is written once, and
+    importing the package here would need the extension this build is about to make."""
+    init = (ROOT / "mha_ext" / "__init__.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"$', init, re.MULTILINE)
+    if match is None:
+        sys.exit('setup.py: mha_ext/__init__.py must set __version__ = "X.Y.Z" on one line')
+    return match.group(1)
 
 
 def find_cuda_home():
@@ -129,12 +140,13 @@ def extension():
 
 setup(
     name="mha_ext",
-    version="0.1.0",
+    version=package_version(),
     description="Fused multi-head attention for PyTorch: FlashAttention-style CPU and CUDA kernels",
     packages=find_packages(include=["mha_ext", "mha_ext.*"]),
     package_data={"mha_ext": ["data/*.txt"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
-    install_requires=["torch>=2.5"],
+    # numpy: torch imports without it but warns "Failed to initialize NumPy" on every import.
+    install_requires=["torch>=2.5", "numpy"],
 )
