@@ -59,12 +59,11 @@ void paged_decode(benchmark::State& state) {
       make_paged_attention_params(step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
                                   1.0 / std::sqrt(static_cast<double>(step.head_dim)),
                                   cpu::Backend::kIndicesOnHost);
-  const PagedAttentionOutputs outputs = allocate_paged_outputs(params, step.q);
   const auto plan = cpu::Backend::plan(params, step.q);  // the op's plan
-  const PagedSplitWorkspaces splits = allocate_split_workspaces(params, step.q);
+  const PagedAttentionTensors tensors = allocate_paged_tensors(params, step.q);
   for (auto _ : state) {
     cpu::Backend::run(params, plan);
-    benchmark::DoNotOptimize(outputs.out.data_ptr());
+    benchmark::DoNotOptimize(tensors.out.data_ptr());
   }
   step.report(state);
 }

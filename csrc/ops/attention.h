@@ -22,6 +22,7 @@
 
 #include "mha_ext/attention_params.h"
 #include "mha_ext/philox.h"
+#include "ops/op_signature.h"
 #include "ops/tensor_checks.h"
 
 namespace mha_ext {
@@ -308,19 +309,8 @@ at::Tensor dropout_mask(const at::Tensor& dropout_seed, int64_t batch, int64_t n
   return mask;
 }
 
-// The ops' descriptions for ops/op_signature.h (AnyBackend: only the function types matter).
-struct AnyBackend;
-struct AttentionForwardOp {
-  static constexpr const char* name = "mha_ext::attention_forward";
-  using Signature = decltype(attention_forward<AnyBackend>);
-};
-struct AttentionBackwardOp {
-  static constexpr const char* name = "mha_ext::attention_backward";
-  using Signature = decltype(attention_backward<AnyBackend>);
-};
-struct DropoutMaskOp {
-  static constexpr const char* name = "mha_ext::dropout_mask";
-  using Signature = decltype(dropout_mask<AnyBackend>);
-};
+MHA_EXT_DESCRIBE_OP(AttentionForwardOp, attention_forward);
+MHA_EXT_DESCRIBE_OP(AttentionBackwardOp, attention_backward);
+MHA_EXT_DESCRIBE_OP(DropoutMaskOp, dropout_mask);
 
 }  // namespace mha_ext

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "mha_ext/paged_params.h"
+#include "ops/op_signature.h"
 #include "ops/tensor_checks.h"
 
 namespace mha_ext {
@@ -68,11 +69,6 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& out_
   return {call.out, call.lse};
 }
 
-// The op's description for ops/op_signature.h (AnyBackend: only the function type matters).
-struct AnyBackend;
-struct MergeAttentionStatesOp {
-  static constexpr const char* name = "mha_ext::merge_attention_states";
-  using Signature = decltype(merge_attention_states<AnyBackend>);
-};
+MHA_EXT_DESCRIBE_OP(MergeAttentionStatesOp, merge_attention_states);
 
 }  // namespace mha_ext

@@ -3,11 +3,8 @@
 // spelled only in the schema and the op file: typed dispatcher handles for C++ callers, and
 // the type names the schema test compares against torch.ops.mha_ext.<op>.default._schema.
 //
-// Each op file describes its ops for this header with one struct per op:
-//   struct AttentionForwardOp {
-//     static constexpr const char* name = "mha_ext::attention_forward";
-//     using Signature = decltype(attention_forward<AnyBackend>);
-//   };
+// Each op file describes its ops for this header after defining them:
+//   MHA_EXT_DESCRIBE_OP(AttentionForwardOp, attention_forward);
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
@@ -21,6 +18,14 @@ namespace mha_ext {
 // Names a backend where only an op function's type is needed: decltype does not instantiate
 // the function's body.
 struct AnyBackend;
+
+// Description, the op `function` (a template over the backend, whose schema is
+// "mha_ext::<function>(...)"): its name and its C++ signature.
+#define MHA_EXT_DESCRIBE_OP(Description, function)            \
+  struct Description {                                         \
+    static constexpr const char* name = "mha_ext::" #function; \
+    using Signature = decltype(function<AnyBackend>);          \
+  }
 
 // The typed dispatcher handle of Op, looked up on first use. typed() checks the signature
 // against the kernels registered for the op's schema.

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "mha_ext/paged_params.h"
+#include "ops/op_signature.h"
 #include "ops/tensor_checks.h"
 
 namespace mha_ext {
@@ -228,40 +229,31 @@ inline PagedAttentionParams make_paged_attention_params(
   return p;
 }
 
-// paged_attention's outputs, out [total_q, heads, head_dim_v] and lse [total_q, heads] in
-// the accumulation type, with the params pointing at them.
-struct PagedAttentionOutputs {
+// paged_attention's outputs, out [total_q, heads, head_dim_v] and lse [total_q, heads] in the
+// accumulation type, and the split-K partials that the kernels merge by logsumexp into them
+// for the num_kv_splits that the backend's plan chose (undefined with one split); the params
+// point at them all.
+struct PagedAttentionTensors {
   at::Tensor out, lse;
-};
-
-inline PagedAttentionOutputs allocate_paged_outputs(PagedAttentionParams& params,
-                                                    const at::Tensor& q) {
-  PagedAttentionOutputs t;
-  t.out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
-  t.lse = at::empty({params.total_q, params.num_heads},
-                    q.options().dtype(accumulate_dtype(q.scalar_type())));
-  params.out = t.out.data_ptr();
-  params.out_strides = token_strides(t.out);
-  params.lse = t.lse.data_ptr();
-  return t;
-}
-
-// The split-K partials that the kernels merge by logsumexp into out and lse, for the
-// params.num_kv_splits that the backend's plan chose (none with one split).
-struct PagedSplitWorkspaces {
   at::Tensor partial_out, partial_lse;
 };
 
-inline PagedSplitWorkspaces allocate_split_workspaces(PagedAttentionParams& params,
-                                                      const at::Tensor& q) {
-  PagedSplitWorkspaces t;
-  if (params.num_kv_splits == 1) return t;
-  const at::TensorOptions options = q.options().dtype(accumulate_dtype(q.scalar_type()));
-  t.partial_out = at::empty(
-      {params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v}, options);
-  t.partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads}, options);
-  params.partial_out = t.partial_out.data_ptr();
-  params.partial_lse = t.partial_lse.data_ptr();
+inline PagedAttentionTensors allocate_paged_tensors(PagedAttentionParams& params,
+                                                    const at::Tensor& q) {
+  const at::TensorOptions acc_options = q.options().dtype(accumulate_dtype(q.scalar_type()));
+  PagedAttentionTensors t;
+  t.out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
+  t.lse = at::empty({params.total_q, params.num_heads}, acc_options);
+  params.out = t.out.data_ptr();
+  params.out_strides = token_strides(t.out);
+  params.lse = t.lse.data_ptr();
+  if (params.num_kv_splits > 1) {
+    t.partial_out = at::empty(
+        {params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v}, acc_options);
+    t.partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads}, acc_options);
+    params.partial_out = t.partial_out.data_ptr();
+    params.partial_lse = t.partial_lse.data_ptr();
+  }
   return t;
 }
 
@@ -273,22 +265,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
                                                    const at::Tensor& cu_seqlens_q, double scale) {
   PagedAttentionParams params = make_paged_attention_params(
       q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, Backend::kIndicesOnHost);
-  const PagedAttentionOutputs outputs = allocate_paged_outputs(params, q);
   const auto plan = Backend::plan(params, q);  // sets num_kv_splits
-  const PagedSplitWorkspaces splits = allocate_split_workspaces(params, q);
+  const PagedAttentionTensors tensors = allocate_paged_tensors(params, q);
   Backend::run(params, plan);
-  return {outputs.out, outputs.lse};
+  return {tensors.out, tensors.lse};
 }
 
-// The ops' descriptions for ops/op_signature.h (AnyBackend: only the function types matter).
-struct AnyBackend;
-struct PagedKvAppendOp {
-  static constexpr const char* name = "mha_ext::paged_kv_append";
-  using Signature = decltype(paged_kv_append<AnyBackend>);
-};
-struct PagedAttentionOp {
-  static constexpr const char* name = "mha_ext::paged_attention";
-  using Signature = decltype(paged_attention<AnyBackend>);
-};
+MHA_EXT_DESCRIBE_OP(PagedKvAppendOp, paged_kv_append);
+MHA_EXT_DESCRIBE_OP(PagedAttentionOp, paged_attention);
 
 }  // namespace mha_ext
