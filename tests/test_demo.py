@@ -71,6 +71,41 @@ def test_call_overhead_script_times_every_small_shape():
     assert len(rows) == 3 and all(line.rstrip().endswith("x") for line in rows)
 
 
+def test_call_overhead_suite_times_every_small_shape(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mha_ext.bench", "--suite", "call_overhead",
+                             "--dtype", "float32", "--repeats", "1", "--no-plots",
+                             "--out", str(tmp_path)],
+                            capture_output=True, text=True, check=True)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["label"] for r in data["results"]] == [
+        "(1, 1, 1, 64) float32", "(1, 12, 16, 64) float32", "(1, 12, 128, 64) float32"]
+    for entry in data["results"]:
+        assert entry["suite"] == "call_overhead" and entry["baseline"] == "torch_sdpa"
+        assert entry["results"]["mha_ext"]["speedup_vs_baseline"] > 0
+    title = "small forward calls, batch 1 (200 back to back per timed step) (us per call)"
+    assert title in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith("(1,")]
+    assert len(rows) == 3 and all(line.rstrip().endswith("%") for line in rows)
+
+
+def test_call_overhead_steps_are_timed_per_call(monkeypatch):
+    # Each step makes CALLS_PER_STEP calls; a fake median of 0.02 s per step is 0.1 ms per call.
+    calls = []
+    monkeypatch.setattr(suites.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1))
+    case = suites._call_overhead_case(2, 16, 32, torch.float32, torch.device("cpu"))
+    case.steps["mha_ext"]()
+    assert len(calls) == suites.CALLS_PER_STEP == 200
+    assert not case.interleave  # timed apart: see _call_overhead_case
+    monkeypatch.setattr(suites, "median_seconds",
+                        lambda steps, warmup, repeats, device: dict.fromkeys(steps, 0.02))
+    result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
+    for name in ("mha_ext", "torch_sdpa", "naive"):
+        entry = result["results"][name]
+        assert entry["seconds_per_call"] == pytest.approx(1e-4)
+        assert entry["throughput"] == pytest.approx(case.work / 1e-4 / 1e9)
+
+
 @pytest.mark.parametrize("cache_bytes, layers", [(0, 1), (3 * 16384, 6), (3 * 16384 + 1, 7)])
 def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cache_bytes, layers):
     # One layer of batch 2, 2 kv heads, context 16, head dim 32, fp32 K and V: 16 KiB. A CPU

@@ -3,14 +3,15 @@ contender) and times them.
 
 Suites: forward and forward_backward (attention on model shapes), gqa_prefill (causal
 grouped-query prefill), paged_decode (one query per sequence over a paged cache, against
-torch SDPA on a contiguous cache) and cache_append (one token into the cache, against the
-seed tutorial's torch.cat update). Contenders: mha_ext, torch SDPA (on CUDA its flash,
-cuDNN and efficient backends separately) and the textbook "naive" attention the seed
+torch SDPA on a contiguous cache), cache_append (one token into the cache, against the
+seed tutorial's torch.cat update) and call_overhead (the time of one small forward call,
+where fixed costs weigh as much as the arithmetic). Contenders: mha_ext, torch SDPA (on
+CUDA its flash, cuDNN and efficient backends separately) and the textbook "naive" attention the seed
 tutorial writes out, where its O(S^2) memory allows.
 """
 import contextlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -31,7 +32,13 @@ MODELS = {
 }
 # The grouped-query prefill shape of the CPU performance targets: 32 query / 8 kv heads.
 GQA_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
-SUITES = ("forward", "forward_backward", "gqa_prefill", "paged_decode", "cache_append")
+SUITES = ("forward", "forward_backward", "gqa_prefill", "paged_decode", "cache_append",
+          "call_overhead")
+# Small forward calls (batch 1), where fixed costs (Python, dispatch, autograd, allocation,
+# threads) matter as much as arithmetic: a decode step of one head, a short prompt, and
+# issue 5's small case (12 heads, 128 tokens, head dim 64). (heads, seq, head_dim)
+CALL_OVERHEAD_SHAPES = [(1, 1, 64), (12, 16, 64), (12, 128, 64)]
+CALLS_PER_STEP = 200  # such a call takes microseconds: time a run of them
 # The naive attention materialises (B, H, S, S) scores and their gradients: skip it beyond.
 NAIVE_MAX_SEQ = 1024
 # Nor is it timed where its matmuls alone would take longer than this per call at the run's
@@ -204,6 +211,26 @@ def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size
                 interleave=False, per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1})
 
 
+def _call_overhead_case(heads, seq, head_dim, dtype, device) -> Case:
+    """The attention forward case of one small shape, each step CALLS_PER_STEP calls back to
+    back, reported per call."""
+    single = attention_case("call_overhead", "small", heads, heads, head_dim, seq, dtype,
+                            causal=False, backward=False, device=device)
+
+    def repeated(step):
+        def run():
+            for _ in range(CALLS_PER_STEP):
+                step()
+        return run
+
+    steps = {name: repeated(step) for name, step in single.steps.items()}
+    # Timed apart, not interleaved: run between the other contenders and the roofline probe's
+    # matmul, a (1, 1, 1, 64) fp32 call read 5.2-5.6 us for mha_ext and 6.1-6.9 for torch,
+    # against 3.3-3.5 and 4.9-5.1 timed alone (as in a plain loop of calls), this Xeon.
+    return replace(single, label=f"{(1, heads, seq, head_dim)} {dtype_name(dtype)}", steps=steps,
+                   interleave=False, per_call=dict.fromkeys(steps, CALLS_PER_STEP))
+
+
 def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device, decode_batch=DECODE_BATCH,
                 append_batch=1) -> List[Callable[[], Case]]:
     """Case factories (cases allocate their tensors only when they run)."""
@@ -230,6 +257,11 @@ def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device,
         elif suite == "cache_append":
             for context in append_contexts:
                 factories.append(lambda c=context: _append_case(c, device, append_batch))
+        elif suite == "call_overhead":
+            for dtype in dtypes:
+                for heads, seq, head_dim in CALL_OVERHEAD_SHAPES:
+                    factories.append(lambda h=heads, s=seq, d=head_dim, t=dtype:
+                                     _call_overhead_case(h, s, d, t, device))
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return factories
