@@ -6,7 +6,7 @@
 #   gqa_prefill      32 query / 8 kv heads, D 128, S 2048
 #   paged_decode     batch 8, context 4096 (llama2-7b, 32q/8kv and llama2-70b heads)
 #   cache_append     one token at 512, 4k and 32k context
-#   small shapes     per-call times at B 1, H 12, S 128, D 64 and decode-loop shapes, fp32 and bf16
+#   call_overhead    per-call times at B 1, H 12, S 128, D 64 and decode-loop shapes, fp32 and bf16
 # Usage: bash benchmarks/cpu_targets.sh [output folder, default benchmarks/results/cpu]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,4 @@ bench forward_backward $both --seq 1024
 bench gqa_prefill --dtype float32 bfloat16 --seq 2048
 bench paged_decode --dtype float32 bfloat16 --context 4096
 bench cache_append --append-context 512 4096 32768
-for dtype in float32 bfloat16; do
-  echo "== python benchmarks/call_overhead.py --dtype $dtype"
-  python benchmarks/call_overhead.py --dtype "$dtype"
-done
+bench call_overhead --dtype float32 bfloat16 --repeats 15

@@ -64,13 +64,6 @@ def test_kv_cache_script_runs_the_cache_suites(tmp_path):
     assert suites == {"cache_append", "paged_decode"}
 
 
-def test_call_overhead_script_times_every_small_shape():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "call_overhead.py"), "--samples", "1"],
-                            capture_output=True, text=True, check=True)
-    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("(1,")]
-    assert len(rows) == 3 and all(line.rstrip().endswith("x") for line in rows)
-
-
 def test_call_overhead_suite_times_every_small_shape(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mha_ext.bench", "--suite", "call_overhead",
                              "--dtype", "float32", "--repeats", "1", "--no-plots",
