@@ -6,8 +6,8 @@ grouped-query prefill), paged_decode (one query per sequence over a paged cache,
 torch SDPA on a contiguous cache), cache_append (one token into the cache, against the
 seed tutorial's torch.cat update) and call_overhead (the time of one small forward call,
 where fixed costs weigh as much as the arithmetic). Contenders: mha_ext, torch SDPA (on
-CUDA its flash, cuDNN and efficient backends separately) and the textbook "naive" attention the seed
-tutorial writes out, where its O(S^2) memory allows.
+CUDA its flash, cuDNN and efficient backends separately) and the textbook "naive"
+attention the seed tutorial writes out, where its O(S^2) memory allows.
 """
 import contextlib
 import itertools
@@ -224,9 +224,9 @@ def _call_overhead_case(heads, seq, head_dim, dtype, device) -> Case:
         return run
 
     steps = {name: repeated(step) for name, step in single.steps.items()}
-    # Timed apart, not interleaved: run between the other contenders and the roofline probe's
-    # matmul, a (1, 1, 1, 64) fp32 call read 5.2-5.6 us for mha_ext and 6.1-6.9 for torch,
-    # against 3.3-3.5 and 4.9-5.1 timed alone (as in a plain loop of calls), this Xeon.
+    # Timed apart, not interleaved: timed between the other contenders and the roofline
+    # probe's matmul, a (1, 1, 1, 64) fp32 call read 5.2-5.6 us for mha_ext and 6.1-6.9 for
+    # torch, against 3.3-3.5 and 4.9-5.1 timed alone as in a plain loop of calls (2 Xeon cores).
     return replace(single, label=f"{(1, heads, seq, head_dim)} {dtype_name(dtype)}", steps=steps,
                    interleave=False, per_call=dict.fromkeys(steps, CALLS_PER_STEP))
 
