@@ -26,6 +26,216 @@
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
+// The ISA class of this build of the kernels (kernels_<isa>.cpp sets CPU_CAPABILITY). The paged
+// kernel is tuned per class, not per machine: each choice in PagedKernelTraits was measured on
+// one CPU of its class, named beside the numbers (AVX-512: AMD Zen 5 or an Intel Xeon; AVX2:
+// AMD Zen 1), and stands for the whole class until another CPU of it measures otherwise. The
+// portable build takes AVX2's choices without AVX2's instructions.
+enum class IsaClass { kPortable, kAvx2, kAvx512 };
+constexpr IsaClass kIsaClass =
+#if defined(CPU_CAPABILITY_AVX512)
+    IsaClass::kAvx512;
+#elif defined(CPU_CAPABILITY_AVX2)
+    IsaClass::kAvx2;
+#else
+    IsaClass::kPortable;
+#endif
+
+// The paged kernel's tuning for this build's ISA class and a cache of scalar_t, in one place.
+// Each choice says what it measured and with which benchmark:
+//  - paged_bench (benchmarks/cpp/paged_bench.cpp, built by CMakeLists.txt as
+//    build/cmake/paged_bench): paged_decode runs the kernel with the op's task plan on 8
+//    sequences of 4096 tokens, blocks of 16, head dim 128, the cache read from memory, e.g.
+//    32q/8kv fp32 (dtype:1 is bf16; OMP_NUM_THREADS=1 for one core):
+//   build/cmake/paged_bench --benchmark_filter='paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0'
+//    --shape=batch,heads,kv_heads,context,head_dim,dtype,block_size runs other shapes, e.g.
+//    --shape=1,32,8,256,128,0,16 (2 MiB of fp32 K/V) for a cache that stays in L2 or L3. The
+//    measurements "of the kernel called directly" or "of a harness" below were taken before
+//    paged_bench existed, by harnesses that ran this same call.
+//  - the suite: the op through Python, the decode of llama2-7b (32q/32kv), 32q/8kv and
+//    llama2-70b (64q/8kv) heads at batch 8, context 4096:
+//   python -m mha_ext.bench --suite paged_decode --dtype float32 bfloat16 --context 4096 --no-plots
+// "a -> b" reads: the other choice a, this one b. "Check:" names the command that measures
+// the choice again; "paged_bench F" stands for build/cmake/paged_bench --benchmark_filter=F.
+template <typename scalar_t>
+struct PagedKernelTraits {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+
+  // Vector registers that the register blocking below plans for.
+  static constexpr int kVectorRegisters = kIsaClass == IsaClass::kAvx512 ? 32 : 16;
+
+  // Tile rows up to which the kernel reads keys and values row by row straight from the cache
+  // (the direct path; blocking.h gives the measurement). One value for every ISA class: the
+  // task planner, which runs before the ISA dispatch, decides with it which tasks take all of
+  // a sequence's kv heads.
+  static constexpr int64_t kDirectRows = cpu::kDirectRows;
+
+  // Cached rows are requested this many positions before they are read. A sequence's blocks
+  // lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
+  // at every page boundary: without the requests, decode read a bf16 cache at 40% of the
+  // streaming bandwidth, most of the time spent waiting on loads that missed. Further ahead
+  // is worse: the next tile's 64 K and V rows requested during this tile's value pass (a line
+  // of each per slice step, none in the score loop) decoded fp32 32q/8kv at 9.5 GB/s against
+  // 14.5 on Zen 1. There the hint (t0, t1, nta)
+  // made no difference, so the requests likely all fill L1, which a tile's rows (64 KiB of
+  // fp32 at head dim 128) overflow. Measured on AVX2 (Zen 1) only; every class takes it.
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0'
+  static constexpr int64_t kPrefetchRows = 16;
+
+  // The direct path's value pass weights the tile rows in groups of at most this many, each
+  // group reading the values again (from L1); the score pass takes all rows at once
+  // (score_tile). With 16 registers an fp32 (or fp64) cache goes 4 rows at a time, whose
+  // accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
+  // each further read of a value converts it again (1.6x slower split, Zen 1), except where
+  // that conversion is cheap (kWidenInPairs: value_group_rows). AVX-512's 32 registers take
+  // all rows. The 1.6x is from AVX2 (Zen 1); the rule is per class (16 or 32 registers).
+  // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/' (8 rows)
+  static constexpr int kValueRowGroup =
+      kIsaClass == IsaClass::kAvx512 || !std::is_same_v<scalar_t, acc_t> ? int(kDirectRows) : 4;
+
+  // Rows per group of the value pass for a tile of `rows` rows: kValueRowGroup's, but 8 rows
+  // of a cache widened in pairs go as two groups of 4, whose accumulators fit the registers,
+  // as reading each value twice costs only a load and two bit operations more (64q/8kv bf16
+  // decode on Zen 1, medians of 8 rounds on two cores: 6.34 against 6.08 GB/s; 5 to 7 rows
+  // lost 3-9% split). AVX2 class (where kWidenInPairs holds).
+  // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/.*dtype:1'
+  static constexpr int value_group_rows(int rows) {
+    return kWidenInPairs && rows == 8 ? 4 : std::min(rows, kValueRowGroup);
+  }
+
+  // Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
+  // spread over the pass's steps, while its score pass requests only its own value rows. The
+  // other plan requests both in the score pass (a key row kPrefetchRows ahead and the value
+  // row of the key being scored) and leaves memory idle while the values pass, a third of an
+  // fp32 4-row tile's time on Zen 1.
+  // AVX2 class (Zen 1): fp32 tiles of up to 4 rows. 8 sequences, context 4096, fp32, two
+  // threads, rounds alternating old and new builds; with score_keys' two chains, without
+  // which this plan gained nothing: through the op (the suite's llama2-7b decode, one head
+  // per kv head) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the
+  // noise); a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against
+  // 15.3-16.0.
+  // 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
+  // by their arithmetic and lost to the value pass's extra work.
+  // AVX-512 class (Zen 5): every tile of 2 or more rows, with kValuesRequestedTileAhead: fp32
+  // 32q/8kv from memory on one core, medians of 15 rounds alternating the builds of a
+  // standalone harness, 13.2 -> 14.6 GB/s; through the op (the suite) on two cores
+  // 21.5-27.1 -> 23.2-33.5 GB/s in alternating runs (the VM's streaming rate moved between 31
+  // and 48 GB/s meanwhile).
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:(8|32)/.*dtype:0' (also with
+  // OMP_NUM_THREADS=1) and the suite with --dtype float32
+  static constexpr bool value_pass_requests_keys(int64_t rows) {
+    if constexpr (kIsaClass == IsaClass::kAvx512) {
+      return rows > 1;
+    } else {
+      return sizeof(scalar_t) == 4 && rows <= kValueRowGroup;
+    }
+  }
+
+  // Whether, where the value pass requests the next tile's keys, the score pass requests the
+  // next tile's value rows too (the tile's own were requested a tile earlier, the first
+  // tile's up front) rather than its own: every request then has a whole tile's work before
+  // its use, and the two passes request alike. With AVX-512's faster score passes (bf16 dot
+  // products, 16 sums per reduction) requests for a tile's own values came too close to their
+  // use: bf16 32q/8kv from memory on two cores, harness medians of 11 rounds, 20.6 -> 23.5
+  // GB/s; fp32 22.7 either way. AVX-512 class (Zen 5); not measured on AVX2, which keeps
+  // requesting its own.
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/'
+  static constexpr bool kValuesRequestedTileAhead = kIsaClass == IsaClass::kAvx512;
+
+  // Whether the direct path widens a cache's rows to fp32 16 elements at a time
+  // (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
+  // (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and
+  // shifting; one 32-byte load and two bit operations give 16, out of order (the even
+  // elements, then the odd). The tile's q rows and O rows keep each whole group of 16
+  // elements in that order (reorder_groups_of_16): a dot product or an elementwise sum takes
+  // its terms in any order. Measured on Zen 1 (the kernel called directly, 8 sequences x
+  // context 4096, a bf16 decode being bound by its arithmetic there): on
+  // one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows,
+  // whose accumulators leave no room for a second chain); on two, medians of 10 rounds
+  // alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9 and 5.77 -> 6.02. AVX2 class; on the
+  // AVX-512 Xeon the same measured no faster, and AVX-512 leaves it out.
+  // Check: MHA_EXT_CPU_ISA=avx2 paged_bench 'paged_decode/batch:8/.*dtype:1' (also with
+  // OMP_NUM_THREADS=1)
+  static constexpr bool kWidenInPairs =
+      kIsaClass == IsaClass::kAvx2 && std::is_same_v<scalar_t, c10::BFloat16>;
+
+  // Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
+  // (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
+  // instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
+  // conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
+  // product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
+  // 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to
+  // bf16. AVX-512 class where the CPU has AVX512-BF16 (Zen 5; on the Xeon the instruction
+  // ran at half its FMA rate and gained nothing).
+  // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,1024,128,1,16
+  // --shape=1,64,8,1024,128,1,16 (4 MiB of bf16 K/V)
+  static constexpr bool kScoreByBf16Dots =
+      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
+
+  // Keys scored together by the direct path for `rows` rows. AVX-512 class (Zen 5): enough
+  // that their rows x keys dot products share one reduction tree: 16 for 2, 4 or 8 rows
+  // (transposed_sums16, one vector of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s
+  // against 8 sums through horizontal_sums, 4 rows unchanged), at most 8 otherwise, and 8
+  // keys for one row (16 decoded llama2-7b's heads 5-10% slower from memory). AVX2 class
+  // (Zen 1): one, as more accumulators and keys would not fit 16 registers (and two keys of
+  // an fp32 cache at a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20%
+  // slower from memory, with the row requests before each step or spread through its loop
+  // alike).
+  // Check: paged_bench 'paged_decode/batch:8/' (from memory) and OMP_NUM_THREADS=1
+  // build/cmake/paged_bench --shape=1,64,8,128,128,0,16 (8 rows, 1 MiB of fp32 K/V)
+  static constexpr int keys_per_step(int rows) {
+    if constexpr (kIsaClass == IsaClass::kAvx512) {
+      return rows > 1 && 16 % rows == 0 ? 16 / rows : rows <= 8 ? 8 / rows : 1;
+    } else {
+      return 1;
+    }
+  }
+
+  // Vectors per score step of `keys` keys: two for one key of an fp32 cache or of a bf16
+  // cache widened in pairs (kWidenInPairs), where q's rows hold each whole group of 16
+  // elements in the pairs' order.
+  static constexpr int score_step_vectors(int keys) {
+    return keys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs) ? 2 : 1;
+  }
+
+  // Accumulator chains per dot product of `rows` rows: one key's rows FMAs per vector are too
+  // few to cover the FMA latency, so a step's two vectors go to two chains where their
+  // accumulators fit the registers beside the two key vectors and a q vector (not for 7 or 8
+  // rows on AVX2). On Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against
+  // 10.2 GB/s on one core); from memory it
+  // pays only where the value pass requests the keys (value_pass_requests_keys), as a shorter
+  // score pass that requests them all left more of the tile's time to the value pass without
+  // reads (13.0 against 14.3 GB/s). Measured on AVX2 (Zen 1); AVX-512's steps of one key
+  // (odd row counts) follow the same rule.
+  // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,256,128,0,16 (cache)
+  // and paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0' (memory)
+  static constexpr int score_chains(int rows, int step_vectors) {
+    return step_vectors == 2 && 2 * rows + 3 <= kVectorRegisters ? 2 : 1;
+  }
+
+  // Whether score_tile spreads its row requests through the score loop of a step of `keys`
+  // keys, a line of each row per 64 bytes of key, instead of requesting both rows before the
+  // step. Measured on AVX2 (Zen 1): an fp32 key's 16 requests at once decoded 32q/8kv at
+  // 12.1 GB/s, spread out at 15.0 (llama2-70b heads 10.2 -> 10.6); a bf16 key's 8 requests
+  // lost 3% spread out. AVX2 class; not measured on AVX-512, whose steps score several keys.
+  // Check: MHA_EXT_CPU_ISA=avx2 paged_bench 'paged_decode/batch:8/heads:(32|64)/kv_heads:8/'
+  static constexpr bool request_rows_in_score_loop(int keys) {
+    return kIsaClass != IsaClass::kAvx512 && keys == 1 && sizeof(scalar_t) == 4;
+  }
+
+  // Vectors per O slice of the value pass for `rows` rows: 4 where the accumulators, value
+  // vectors and broadcast weight all fit the vector registers, else 2. On AVX2 (Zen 1), 4 rows
+  // x 4 vectors spilled four accumulators to the stack, loaded and stored for every key (2
+  // vectors: llama2-70b fp32 decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows not widened in
+  // pairs keep 2 vectors and a few spills: with 1, each FMA needs a broadcast weight of its
+  // own and the loads outnumber the FMAs (3% slower). The rule follows kVectorRegisters on
+  // every class.
+  // Check: paged_bench 'paged_decode/batch:8/heads:(32|64)/kv_heads:8/'
+  static constexpr int value_vectors(int rows) {
+    return rows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
+  }
+};
+
 // The cache rows of positions [first, first + count) of a sequence, for one kv head: rows[i]
 // holds position first + i. The block table is looked up once per block, not per row: the
 // 64-bit divisions that locate a position (block_size is known only at run time), four per
@@ -40,16 +250,6 @@ void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_
     for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
   }
 }
-
-// Cached rows are requested this many positions before they are read. A sequence's blocks
-// lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
-// at every page boundary: without the requests, decode read a bf16 cache at 40% of the
-// streaming bandwidth, most of the time spent waiting on loads that missed. Further ahead
-// is worse: the next tile's 64 K and V rows requested during this tile's value pass (a line
-// of each per slice step, none in the score loop) decoded fp32 32q/8kv at 9.5 GB/s against
-// 14.5 on Zen 1. There the hint (t0, t1, nta) made no difference, so the requests likely
-// all fill L1, which a tile's rows (64 KiB of fp32 at head dim 128) overflow.
-constexpr int64_t kPrefetchRows = 16;
 
 // Requests the 64-byte line holding *address into the caches.
 C10_ALWAYS_INLINE void request_line(const void* address) {
@@ -87,6 +287,7 @@ struct WorkItem {
 // kPrefetchRows rows of the next tile, which the tile's loop requests ahead of use.
 template <typename scalar_t>
 struct TileRows {
+  static constexpr int64_t kPrefetchRows = PagedKernelTraits<scalar_t>::kPrefetchRows;
   const scalar_t* rows[kKeyBlock + kPrefetchRows];
   int64_t listed = 0;
 
@@ -107,58 +308,6 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
   }
 }
 
-// The direct path's value pass weights the tile rows in groups of at most this many, each
-// group reading the values again (from L1); the score pass takes all rows at once
-// (score_tile). On AVX2 (16 registers) an fp32 cache goes 4 rows at a time, whose
-// accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
-// each further read of a value converts it again (1.6x slower split), except where that
-// conversion is cheap (kWidenInPairs: accumulate_values). AVX-512's 32 registers take all rows.
-template <typename scalar_t, typename acc_t>
-constexpr int kValueRowGroup =
-#if defined(CPU_CAPABILITY_AVX512)
-    kDirectRows;
-#else
-    std::is_same_v<scalar_t, acc_t> ? 4 : kDirectRows;
-#endif
-
-// Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
-// spread over the pass's steps, while its score pass requests only its own value rows. The
-// other plan requests both in the score pass (a key row kPrefetchRows ahead and the value row
-// of the key being scored) and leaves memory idle while the values pass, a third of an fp32
-// 4-row tile's time on Zen 1. Measured there (8 sequences, context 4096, fp32, two threads,
-// rounds alternating old and new builds; with score_keys' two chains, without which this
-// plan gained nothing): through the op, the benchmark's decode case, one head per kv head
-// (llama2-7b) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the noise);
-// a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against 15.3-16.0.
-// 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
-// by their arithmetic and lost to the value pass's extra work. On AVX-512 (Zen 5) every
-// tile of 2 or more rows takes this plan, with kValuesRequestedTileAhead: fp32 32q/8kv from
-// memory on one core, medians of 15 rounds alternating the builds of a standalone harness,
-// 13.2 -> 14.6 GB/s; through the op on two cores 21.5-27.1 -> 23.2-33.5 GB/s in alternating
-// runs (the VM's streaming rate moved between 31 and 48 GB/s meanwhile).
-template <typename scalar_t>
-constexpr bool value_pass_requests_keys(int64_t rows) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return rows > 1;
-#else
-  return sizeof(scalar_t) == 4 && rows <= kValueRowGroup<scalar_t, scalar_t>;
-#endif
-}
-
-// Whether, where the value pass requests the next tile's keys, the score pass requests the
-// next tile's value rows too (the tile's own were requested a tile earlier, the first
-// tile's up front) rather than its own: every request then has a whole tile's work before
-// its use, and the two passes request alike. With AVX-512's faster score passes (bf16 dot
-// products, 16 sums per reduction) requests for a tile's own values came too close to their
-// use: bf16 32q/8kv from memory on two cores, harness medians of 11 rounds, 20.6 -> 23.5
-// GB/s; fp32 22.7 either way. Not measured on AVX2, which keeps requesting its own.
-constexpr bool kValuesRequestedTileAhead =
-#if defined(CPU_CAPABILITY_AVX512)
-    true;
-#else
-    false;
-#endif
-
 // Rows whose lines a pass requests over `sweeps` sweeps through its keys: each sweep
 // requests its share of every row's lines, row c's at key c, so that each key costs the same
 // few requests and every line is asked for by the last sweep. The value pass requests the
@@ -178,31 +327,6 @@ struct SweepRequests {
     return {sweep * lines / sweeps * 64, (sweep + 1) * lines / sweeps * 64};
   }
 };
-
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
-
-// Whether the direct path widens a cache's rows to fp32 16 elements at a time
-// (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
-// (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and shifting;
-// one 32-byte load and two bit operations give 16, out of order (the even elements, then the
-// odd). The tile's q rows and O rows keep each whole group of 16 elements in that order
-// (reorder_groups_of_16): a dot product or an elementwise sum takes its terms in any order.
-// Measured on Zen 1 (the kernel called directly, 8 sequences x context 4096, a bf16 decode
-// being bound by its arithmetic there): on one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv
-// 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows, whose accumulators leave no room for a second
-// chain); on two, medians of 10 rounds alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9
-// and 5.77 -> 6.02.
-template <typename scalar_t>
-constexpr bool kWidenInPairs =
-#if defined(CPU_CAPABILITY_AVX2)
-    std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-    false;
-#endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 // src[0, 16) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
@@ -236,13 +360,13 @@ void reorder_groups_of_16(acc_t* row, int64_t dim, bool to_pairs) {
 }
 
 // src[0, 2 * vector width) as two fp32 vectors, first and second, for a two-vector step: in
-// natural order, or in widen_bf16_pairs' order where kWidenInPairs.
+// natural order, or in widen_bf16_pairs' order where PagedKernelTraits::kWidenInPairs.
 template <typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized<acc_t>& first,
                                         at::vec::Vectorized<acc_t>& second) {
   constexpr int64_t kWidth = at::vec::Vectorized<acc_t>::size();
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (kWidenInPairs<scalar_t>) {
+  if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
     __m256 even, odd;
     widen_bf16_pairs(src, even, odd);
     first = even;
@@ -253,22 +377,6 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
   first = load_as<acc_t>(src, kWidth);
   second = load_as<acc_t>(src + kWidth, kWidth);
 }
-
-// Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
-// products share one reduction tree: 16 for 2, 4 or 8 rows (transposed_sums16, one vector
-// of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s against 8 sums through
-// horizontal_sums, 4 rows unchanged), at most 8 otherwise, and 8 keys for one row (16
-// decoded llama2-7b's heads 5-10% slower from memory); elsewhere one, as more
-// accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
-// a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20% slower from memory,
-// with the row requests before each step or spread through its loop alike).
-template <int kRows>
-constexpr int kKeysPerStep =
-#if defined(CPU_CAPABILITY_AVX512)
-    kRows > 1 && 16 % kRows == 0 ? 16 / kRows : kRows <= 8 ? 8 / kRows : 1;
-#else
-    1;
-#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 // acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
@@ -281,20 +389,6 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
 }
 #endif
 
-// Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
-// (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
-// instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
-// conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
-// product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
-// 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to bf16.
-template <typename scalar_t>
-constexpr bool kScoreByBf16Dots =
-#if defined(CPU_CAPABILITY_AVX512)
-    std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-    false;
-#endif
-
 // What a one-key score step requests while it walks its key row: nothing, the value row of
 // the key being scored, or that and the key row kPrefetchRows ahead (dim elements).
 enum class ScoreLoopRequests { kNone, kValue, kKeyAheadAndValue };
@@ -305,19 +399,6 @@ struct RowRequests {
   const scalar_t* value;
   int64_t value_dim;
 };
-
-// Whether score_tile spreads its row requests through the score loop, a line of each row
-// per 64 bytes of key, instead of requesting both rows before the step. Measured on AVX2
-// (Zen 1): an fp32 key's 16 requests at once decoded 32q/8kv at 12.1 GB/s, spread out at
-// 15.0 (llama2-70b heads 10.2 -> 10.6); a bf16 key's 8 requests lost 3% spread out. Not
-// measured on AVX-512, whose steps score several keys.
-template <typename scalar_t, int kKeys>
-constexpr bool kRequestRowsInScoreLoop =
-#if defined(CPU_CAPABILITY_AVX512)
-    false;
-#else
-    kKeys == 1 && sizeof(scalar_t) == 4;
-#endif
 
 // scores[r * ld_s + j] = scale x the horizontal sum of acc[j * kRows + r] for r < kRows,
 // j < kKeys.
@@ -373,9 +454,10 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
 template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim, acc_t scale,
                                   acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
+  using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
-    static_assert(kRequests == ScoreLoopRequests::kNone && kScoreByBf16Dots<scalar_t>, "bf16 dot products");
+    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots, "bf16 dot products");
     at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
     unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
     // 32 elements from d on, the lanes outside `lanes` zero (and not read).
@@ -398,20 +480,10 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 #endif
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  // Vectors per step: two for one key of an fp32 cache or of a bf16 cache widened in pairs
-  // (kWidenInPairs), where q's rows hold each whole group of 16 elements in the pairs' order.
-  constexpr int kStepVectors =
-      kKeys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs<scalar_t>) ? 2 : 1;
-  // Accumulator chains per dot product: one key's kRows FMAs per vector are too few to cover
-  // the FMA latency, so a step's two vectors go to two chains where their accumulators fit
-  // the registers beside the two key vectors and a q vector (not for 7 or 8 rows). On
-  // Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one
-  // core); from memory it pays only where the value pass requests the keys
-  // (value_pass_requests_keys), as a shorter score pass that requests them all left more of
-  // the tile's time to the value pass without reads (13.0 against 14.3 GB/s). Each vector's
-  // loads come before its FMAs, row by row alternating chains: chain by chain, the same plan
-  // read 15.2 against 16.5.
-  constexpr int kChains = kStepVectors == 2 && 2 * kRows + 3 <= kVectorRegisters ? 2 : 1;
+  constexpr int kStepVectors = Traits::score_step_vectors(kKeys);
+  // Each vector's loads come before its FMAs, row by row alternating chains: chain by chain,
+  // the same plan read 15.2 against 16.5 GB/s (Zen 1, 32q/8kv fp32 decode from memory).
+  constexpr int kChains = Traits::score_chains(kRows, kStepVectors);
   Vec acc[kChains][kKeys * kRows];  // acc[chain][j * kRows + r]: part of q[r] . keys[j]
   unrolled<kChains * kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     acc[i / (kKeys * kRows)][i % (kKeys * kRows)] = Vec(acc_t(0));
@@ -500,9 +572,10 @@ template <int kRows, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
                 const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim, int64_t dim_v,
                 acc_t* s_tile, int64_t ld_s) {
+  using Traits = PagedKernelTraits<scalar_t>;
   auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-    constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
-    constexpr bool kKeysAhead = !value_pass_requests_keys<scalar_t>(kRows);
+    constexpr bool kInLoop = Traits::request_rows_in_score_loop(kKeys);
+    constexpr bool kKeysAhead = !Traits::value_pass_requests_keys(kRows);
     constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
                                             : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
                                                          : ScoreLoopRequests::kValue;
@@ -517,7 +590,7 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
     }
     score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s, requests);
   };
-  constexpr int kKeys = kKeysPerStep<kRows>;
+  constexpr int kKeys = Traits::keys_per_step(kRows);
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) score(std::integral_constant<int, kKeys>{}, c);
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
@@ -548,7 +621,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
       if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
     }
     Vec v[kVectors];
-    if constexpr (kWidenInPairs<scalar_t>) {
+    if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
       static_assert(kVectors % 2 == 0, "pairs of vectors");
       unrolled<kVectors / 2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         const scalar_t* pair = value_rows[c] + d0 + 2 * j * kWidth;
@@ -577,15 +650,6 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
 }
 
-// Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
-// weight all fit the vector registers, else 2. On AVX2, 4 rows x 4 vectors spilled four
-// accumulators to the stack, loaded and stored for every key (2 vectors: llama2-70b fp32
-// decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows not widened in pairs keep 2 vectors and a
-// few spills: with 1, each FMA needs a broadcast weight of its own and the loads outnumber
-// the FMAs (3% slower).
-template <int kRows>
-constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
-
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
 // place (score_tile requested them), a group of rows and a slice of O at a time. Where the
 // value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
@@ -593,15 +657,11 @@ constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o, const SweepRequests<scalar_t>& next_keys) {
-  // Rows per group: kValueRowGroup's, but 8 rows of a cache widened in pairs go as two groups of
-  // 4, whose accumulators fit the registers, as reading each value twice costs only a load
-  // and two bit operations more (64q/8kv bf16 decode on Zen 1, medians of 8 rounds on two
-  // cores: 6.34 against 6.08 GB/s; 5 to 7 rows lost 3-9% split).
-  constexpr int kGroupRows =
-      kWidenInPairs<scalar_t> && kRows == 8 ? 4 : std::min(kRows, kValueRowGroup<scalar_t, acc_t>);
-  constexpr int kVectors = kValueVectors<kGroupRows>;
+  using Traits = PagedKernelTraits<scalar_t>;
+  constexpr int kGroupRows = Traits::value_group_rows(kRows);
+  constexpr int kVectors = Traits::value_vectors(kGroupRows);
   constexpr int kGroups = ceil_div(kRows, kGroupRows);
-  constexpr bool kRequestAhead = value_pass_requests_keys<scalar_t>(kRows);
+  constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
   const int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
   auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -644,7 +704,8 @@ struct HeadState {
 
 template <typename scalar_t>
 void paged_attention_kernel(const PagedAttentionParams& p) {
-  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Traits = PagedKernelTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kBlockK = kKeyBlock;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
@@ -663,7 +724,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = kScoreByBf16Dots<scalar_t> && cpu_has_avx512_bf16();
+  const bool bf16_dots = Traits::kScoreByBf16Dots && cpu_has_avx512_bf16();
 #else
   constexpr bool bf16_dots = false;
 #endif
@@ -709,7 +770,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
 
       const bool direct = rows <= kDirectRows;
       // The direct path's q and O rows in widen_bf16_pairs' order (kWidenInPairs).
-      const bool widen_in_pairs = direct && kWidenInPairs<scalar_t>;
+      const bool widen_in_pairs = direct && Traits::kWidenInPairs;
       for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
         const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
         // Row r = (query first_query + r / group, head kv_head * group + r % group)
@@ -743,16 +804,16 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         cache_rows(cache, strides, block_table, p.block_size, item.kv_head, item.key0, item.cols, listed.rows);
         listed.listed = item.cols;
         if (ahead) {
-          const int64_t extra = std::min(kPrefetchRows, next.cols);
+          const int64_t extra = std::min(Traits::kPrefetchRows, next.cols);
           cache_rows(cache, strides, block_table, p.block_size, next.kv_head, next.key0, extra,
                      listed.rows + item.cols);
           listed.listed += extra;
         }
       };
 
-      const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
+      const bool keys_in_value_pass = direct && Traits::value_pass_requests_keys(rows);
       TileRows<scalar_t> k_rows, v_rows;
-      const bool values_ahead = keys_in_value_pass && kValuesRequestedTileAhead;
+      const bool values_ahead = keys_in_value_pass && Traits::kValuesRequestedTileAhead;
       const scalar_t* next_values[kBlockK];  // the next item's value rows, where values_ahead
       const WorkItem first{key_begin, std::min(kBlockK, key_end - key_begin), head_begin};
       for (WorkItem item = first; item.cols > 0;) {
@@ -791,7 +852,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
         if (direct) {
           // S = Q K^T from the cached key rows: no K^T tile to build.
           dispatch_direct_rows(rows, [&](auto kRows) {
-            if constexpr (kScoreByBf16Dots<scalar_t>) {
+            if constexpr (Traits::kScoreByBf16Dots) {
               if (bf16_dots) {
                 return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
                                          values_requested, cols, p.head_dim, p.head_dim_v, s_tile, kBlockK);
