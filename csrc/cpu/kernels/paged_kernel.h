@@ -11,6 +11,13 @@
 // tasks for the threads, long contexts are split and the partial results merged by
 // logsumexp.
 //
+// paged_attention_kernel (at the end) runs in named steps: plan_paged_call and plan_task (the
+// tasks, and each task's work items: key tiles, and within a tile its kv heads), start_task
+// (q rows in, state cleared), then per work item the PrefetchSchedule's listing and requests,
+// score_pass (S, causal mask, online softmax) and value_pass (O += P V), finish_task (the
+// output, or a key split's partial output) and merge_split_outputs. Its tuning for each ISA
+// class is PagedKernelTraits.
+//
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
 
@@ -702,245 +709,429 @@ struct HeadState {
   acc_t* row_sum;       // [rows]
 };
 
+// How a call divides its work into tasks, and the scratch each thread needs for them. A task
+// is (sequence, group of kv heads, chunk of queries, key split), numbered in that order, the
+// split fastest; the op's planner (plan_paged_tasks, blocking.h) chose the kv heads per task
+// and the splits.
+struct PagedCallPlan {
+  int64_t group = 0;             // query heads per kv head
+  int64_t queries_per_tile = 0;  // queries of one sequence a task takes, at most
+  int64_t tile_rows = 0;         // rows of the largest task's tile: queries x group
+  int64_t q_chunks = 0;          // query chunks of the sequence with the most queries
+  int64_t splits = 0;            // key splits of each chunk
+  int64_t heads_per_task = 0;    // kv heads a task takes together
+  int64_t head_groups = 0;       // tasks that divide a sequence's kv heads
+  int64_t ld_d = 0;              // row stride of the scratch's q rows
+  int64_t ld_dv = 0;             // row stride of its O rows
+  int64_t head_state_size = 0;   // scratch elements of one kv head's HeadState
+  int64_t scratch_size = 0;      // scratch elements of one thread
+  int64_t tasks = 0;
+};
+
+// The call's tasks and scratch sizes, from the params the op's planner filled.
+template <typename acc_t>
+PagedCallPlan plan_paged_call(const PagedAttentionParams& p) {
+  const int64_t width = at::vec::Vectorized<acc_t>::size();
+  PagedCallPlan plan;
+  plan.group = p.num_heads / p.num_kv_heads;
+  plan.queries_per_tile = paged_queries_per_tile(p);
+  plan.tile_rows = paged_task_rows(p);
+  plan.q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), plan.queries_per_tile);
+  plan.splits = p.num_kv_splits;
+  plan.heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
+  plan.head_groups = ceil_div(p.num_kv_heads, plan.heads_per_task);
+  plan.ld_d = round_up(p.head_dim, width);
+  plan.ld_dv = round_up(p.head_dim_v, width);
+  plan.head_state_size =
+      2 * plan.tile_rows * plan.ld_d + plan.tile_rows * plan.ld_dv + 2 * plan.tile_rows;
+  plan.scratch_size = plan.heads_per_task * plan.head_state_size + p.head_dim * kKeyBlock +
+                      kKeyBlock * plan.ld_dv + plan.tile_rows * kKeyBlock + kKeyBlock * p.head_dim;
+  plan.tasks = p.batch * plan.head_groups * plan.q_chunks * plan.splits;
+  return plan;
+}
+
+// One thread's scratch for its tasks, laid out by PagedCallPlan: the HeadState of each of a
+// task's kv heads, then the score tile and the gathered path's tiles. thread_scratch keeps it
+// between calls.
+template <typename scalar_t, typename acc_t>
+struct PagedScratch {
+  const PagedCallPlan& plan;
+  acc_t* head_states;  // [heads_per_task, head_state_size]
+  acc_t* kt_tile;      // [head_dim, kKeyBlock]
+  acc_t* v_tile;       // [kKeyBlock, ld_dv]
+  acc_t* s_tile;       // [tile_rows, kKeyBlock]
+  acc_t* staging;      // [kKeyBlock, head_dim]
+
+  PagedScratch(const PagedCallPlan& call, int64_t head_dim)
+      : plan(call),
+        head_states(thread_scratch<acc_t>(call.scratch_size)),
+        kt_tile(head_states + call.heads_per_task * call.head_state_size),
+        v_tile(kt_tile + head_dim * kKeyBlock),
+        s_tile(v_tile + kKeyBlock * call.ld_dv),
+        staging(s_tile + call.tile_rows * kKeyBlock) {}
+
+  // The state of the task's i-th kv head.
+  HeadState<scalar_t, acc_t> head(int64_t i) const {
+    acc_t* base = head_states + i * plan.head_state_size;
+    HeadState<scalar_t, acc_t> state;
+    state.q = base;
+    state.q_raw = reinterpret_cast<scalar_t*>(base + plan.tile_rows * plan.ld_d);
+    state.o = base + 2 * plan.tile_rows * plan.ld_d;
+    state.row_max_log2 = state.o + plan.tile_rows * plan.ld_dv;
+    state.row_sum = state.row_max_log2 + plan.tile_rows;
+    return state;
+  }
+};
+
+// One task's share of the call (plan_task): the tile rows of a chunk of one sequence's
+// queries, for its kv heads [head_begin, head_end), over the keys of its split. Row r of a
+// kv head's tile is query first_query + r / group of the sequence, query head
+// kv_head * group + r % group.
+struct PagedTask {
+  int64_t split = 0;
+  int64_t head_begin = 0;
+  int64_t head_end = 0;
+  int64_t q_begin = 0;         // q's row of the sequence's first query
+  int64_t first_query = 0;     // the chunk's first query, counted within the sequence
+  int64_t rows = 0;            // the chunk's queries x group; 0 past the sequence's queries
+  int64_t first_position = 0;  // cache position of the chunk's first query
+  int64_t key_begin = 0;       // the split's keys: [key_begin, key_end)
+  int64_t key_end = 0;
+  const int32_t* block_table = nullptr;
+  bool direct = false;          // rows <= kDirectRows: cached K and V rows read in place
+  bool widen_in_pairs = false;  // the direct path's q and O rows in widen_bf16_pairs' order
+
+  // The task's work items go through its key tiles in order, and within a tile through its
+  // kv heads (plan_paged_tasks).
+  WorkItem first_item() const {
+    return {key_begin, std::min(kKeyBlock, key_end - key_begin), head_begin};
+  }
+
+  // The item after `item`; cols 0 after the last.
+  WorkItem following(const WorkItem& item) const {
+    if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
+    const int64_t key0 = item.key0 + kKeyBlock;
+    return WorkItem{key0, std::clamp<int64_t>(key_end - key0, 0, kKeyBlock), head_begin};
+  }
+};
+
+// Task number `index` of the call (PagedCallPlan): its sequence, kv heads, queries and keys.
+template <typename scalar_t>
+PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, int64_t index) {
+  const int64_t seq = index / (plan.head_groups * plan.q_chunks * plan.splits);
+  const int64_t head_group = index / (plan.q_chunks * plan.splits) % plan.head_groups;
+  const int64_t chunk = index / plan.splits % plan.q_chunks;
+  PagedTask task;
+  task.split = index % plan.splits;
+  task.head_begin = head_group * plan.heads_per_task;
+  task.head_end = std::min(task.head_begin + plan.heads_per_task, p.num_kv_heads);
+  task.q_begin = p.cu_seqlens_q[seq];
+  const int64_t num_queries = p.cu_seqlens_q[seq + 1] - task.q_begin;
+  task.first_query = chunk * plan.queries_per_tile;
+  if (task.first_query >= num_queries) return task;
+  const int64_t queries = std::min(plan.queries_per_tile, num_queries - task.first_query);
+  task.rows = queries * plan.group;
+  const int64_t seq_len = p.seq_lens[seq];
+  // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
+  task.first_position = seq_len - num_queries + task.first_query;
+  const int64_t keys = task.first_position + queries;  // keys the chunk's last query sees
+  const int64_t split_keys = round_up(ceil_div(keys, plan.splits), kKeyBlock);
+  task.key_begin = std::min(task.split * split_keys, keys);
+  task.key_end = std::min(task.key_begin + split_keys, keys);
+  task.block_table = p.block_tables + seq * p.block_table_stride;
+  task.direct = task.rows <= kDirectRows;
+  task.widen_in_pairs = task.direct && PagedKernelTraits<scalar_t>::kWidenInPairs;
+  return task;
+}
+
+// Loads each of the task's kv heads' q rows into its state, pre-scaled (in bf16 as given for
+// kScoreByBf16Dots; in widen_bf16_pairs' order where the task widens in pairs), and clears
+// the heads' outputs and softmax states.
+template <typename scalar_t, typename acc_t>
+void start_task(const PagedAttentionParams& p, const PagedTask& task,
+                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
+  for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+    const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
+    for (int64_t r = 0; r < task.rows; ++r) {
+      const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
+                              (task.q_begin + task.first_query + r / group) * p.q_strides.token +
+                              (kv_head * group + r % group) * p.q_strides.head;
+      if (bf16_dots && task.direct) {
+        std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
+        continue;
+      }
+      load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
+      if (task.widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
+    }
+    std::fill(state.o, state.o + task.rows * ld_dv, acc_t(0));
+    std::fill(state.row_max_log2, state.row_max_log2 + task.rows, kMinusInf);
+    std::fill(state.row_sum, state.row_sum + task.rows, acc_t(0));
+  }
+}
+
+// Which cached rows a task requests ahead of their use, and when. The direct path requests
+// each value row as its key is scored (score_tile), and each key row either kPrefetchRows
+// ahead in the score loop or, where value_pass_requests_keys, during the previous item's
+// value pass (spread over the pass, SweepRequests); there, with kValuesRequestedTileAhead,
+// the score pass requests the next item's value rows instead of its own. The gathered path
+// requests rows kPrefetchRows ahead as it copies them into its tiles (gather_tile_rows).
+// Per work item: start_item before the score pass, keys_for_value_pass before the value pass.
+template <typename scalar_t>
+struct PrefetchSchedule {
+  using Traits = PagedKernelTraits<scalar_t>;
+  const PagedAttentionParams& p;
+  const PagedTask& task;
+  const bool keys_in_value_pass;  // the value pass requests the next item's key rows
+  const bool values_ahead;        // and the score pass the next item's value rows
+  TileRows<scalar_t> k_rows;      // the item's cached key rows (and some of the next's)
+  TileRows<scalar_t> v_rows;      // the item's cached value rows (and some of the next's)
+  const scalar_t* next_values[kKeyBlock];  // the next item's value rows, where values_ahead
+  const scalar_t* const* value_requests = nullptr;  // the value rows the score pass requests
+  int64_t values_requested = 0;
+
+  PrefetchSchedule(const PagedAttentionParams& params, const PagedTask& t)
+      : p(params),
+        task(t),
+        keys_in_value_pass(t.direct && Traits::value_pass_requests_keys(t.rows)),
+        values_ahead(keys_in_value_pass && Traits::kValuesRequestedTileAhead) {}
+
+  // rows[0, item.cols) the item's cached rows, then, where `ahead`, up to kPrefetchRows
+  // rows of `next` for the loops that request rows that far ahead.
+  void list_rows(const void* cache, const CacheStrides& strides, const WorkItem& item,
+                 const WorkItem& next, bool ahead, TileRows<scalar_t>& listed) const {
+    listed.listed = list_item_rows(cache, strides, item, item.cols, listed.rows);
+    if (ahead) {
+      const int64_t extra = std::min(Traits::kPrefetchRows, next.cols);
+      listed.listed += list_item_rows(cache, strides, next, extra, listed.rows + item.cols);
+    }
+  }
+
+  // rows[0, count) the cached rows of the item's first `count` keys; returns count.
+  int64_t list_item_rows(const void* cache, const CacheStrides& strides, const WorkItem& item,
+                         int64_t count, const scalar_t** rows) const {
+    cache_rows(static_cast<const scalar_t*>(cache), strides, task.block_table, p.block_size,
+               item.kv_head, item.key0, count, rows);
+    return count;
+  }
+
+  // Lists the item's rows and the value rows its score pass requests. Rows of the next item
+  // are listed only for the loops that request them kPrefetchRows ahead: the gathered path's
+  // copies, and the direct score pass's keys where the value pass does not request them.
+  // Past the first item, the value pass that requested the keys listed them in k_rows (and
+  // the score pass that requested the values in next_values). The first item's rows, which
+  // no earlier pass requested, are requested here.
+  void start_item(const WorkItem& item, const WorkItem& next, bool is_first) {
+    const int64_t cols = item.cols;
+    if (!keys_in_value_pass || is_first) {
+      list_rows(p.k_cache, p.k_cache_strides, item, next, !keys_in_value_pass, k_rows);
+    }
+    if (!values_ahead || is_first) {
+      list_rows(p.v_cache, p.v_cache_strides, item, next, !task.direct, v_rows);
+    } else {
+      std::copy(next_values, next_values + cols, v_rows.rows);
+      v_rows.listed = cols;
+    }
+    value_requests = v_rows.rows;
+    values_requested = cols;
+    if (values_ahead) {
+      values_requested = next.cols;
+      list_item_rows(p.v_cache, p.v_cache_strides, next, next.cols, next_values);
+      value_requests = next_values;
+    }
+    if (keys_in_value_pass && is_first) {
+      for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
+      if (values_ahead) {
+        for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
+      }
+    }
+  }
+
+  // The next item's key rows for this item's value pass to request, listed in k_rows for
+  // the next item's score pass (this item's keys are scored by now); none where the value
+  // pass requests no keys.
+  SweepRequests<scalar_t> keys_for_value_pass(const WorkItem& next) {
+    SweepRequests<scalar_t> next_keys;
+    if (keys_in_value_pass && next.cols > 0) {
+      k_rows.listed = list_item_rows(p.k_cache, p.k_cache_strides, next, next.cols, k_rows.rows);
+      next_keys = {k_rows.rows, k_rows.listed, p.head_dim};
+    }
+    return next_keys;
+  }
+};
+
+// The score pass of one work item: S = Q K^T over the item's keys into s_tile [rows, cols],
+// the keys past each row's query hidden, then folded into the rows' online softmax, which
+// leaves P in s_tile and rescales O. The direct path scores the cached key rows in place
+// (score_tile, which also requests the schedule's value rows); the gathered path copies them
+// into a K^T tile for the GEMM.
+template <typename scalar_t, typename acc_t>
+void score_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
+                const HeadState<scalar_t, acc_t>& state, const PrefetchSchedule<scalar_t>& schedule,
+                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t rows = task.rows, cols = item.cols, ld_d = scratch.plan.ld_d;
+  acc_t* s_tile = scratch.s_tile;  // [rows, kKeyBlock]
+  if (task.direct) {
+    // S = Q K^T from the cached key rows: no K^T tile to build.
+    dispatch_direct_rows(rows, [&](auto kRows) {
+      if constexpr (PagedKernelTraits<scalar_t>::kScoreByBf16Dots) {
+        if (bf16_dots) {
+          return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), schedule.k_rows,
+                                   schedule.value_requests, schedule.values_requested, cols,
+                                   p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
+        }
+      }
+      score_tile<kRows>(state.q, ld_d, acc_t(1), schedule.k_rows, schedule.value_requests,
+                        schedule.values_requested, cols, p.head_dim, p.head_dim_v, s_tile,
+                        kKeyBlock);
+    });
+  } else {
+    gather_tile_rows(schedule.k_rows, cols, p.head_dim, scratch.staging, p.head_dim);
+    transpose_tile(scratch.staging, p.head_dim, cols, p.head_dim, scratch.kt_tile, kKeyBlock);
+    // S = Q K^T   [rows, cols]
+    tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, scratch.kt_tile, kKeyBlock, s_tile,
+                     kKeyBlock);
+  }
+  const int64_t group = scratch.plan.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* s = s_tile + r * kKeyBlock;
+    const int64_t visible =
+        std::clamp<int64_t>(task.first_position + r / group + 1 - item.key0, 0, cols);
+    std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
+  }
+  online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
+                      scratch.plan.ld_dv, p.head_dim_v);
+}
+
+// The value pass of one work item: O += P V over the item's keys (P in s_tile from the score
+// pass). The direct path reads the cached value rows in place (accumulate_values),
+// requesting next_keys' lines on the way; the gathered path copies them into a V tile for
+// the GEMM.
+template <typename scalar_t, typename acc_t>
+void value_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
+                const HeadState<scalar_t, acc_t>& state, const TileRows<scalar_t>& values,
+                const SweepRequests<scalar_t>& next_keys,
+                const PagedScratch<scalar_t, acc_t>& scratch) {
+  const int64_t cols = item.cols, ld_dv = scratch.plan.ld_dv;
+  if (task.direct) {
+    // O += P V, the cached value rows read in place.
+    dispatch_direct_rows(task.rows, [&](auto kRows) {
+      accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v,
+                               state.o, ld_dv, next_keys);
+    });
+  } else {
+    gather_tile_rows(values, cols, p.head_dim_v, scratch.v_tile, ld_dv);
+    // O += P V   [rows, head_dim_v]
+    tile_gemm<true>(task.rows, p.head_dim_v, cols, scratch.s_tile, kKeyBlock, scratch.v_tile,
+                    ld_dv, state.o, ld_dv);
+  }
+}
+
+// Runs a started task's work items in order, each a score pass and a value pass, with the
+// prefetch schedule's listing and requests before each.
+template <typename scalar_t, typename acc_t>
+void run_task_items(const PagedAttentionParams& p, const PagedTask& task,
+                    const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  PrefetchSchedule<scalar_t> schedule(p, task);
+  const WorkItem first = task.first_item();
+  for (WorkItem item = first; item.cols > 0;) {
+    const WorkItem next = task.following(item);
+    const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
+    const HeadState<scalar_t, acc_t> state = scratch.head(item.kv_head - task.head_begin);
+    schedule.start_item(item, next, is_first);
+    score_pass(p, task, item, state, schedule, scratch, bf16_dots);
+    value_pass(p, task, item, state, schedule.v_rows, schedule.keys_for_value_pass(next), scratch);
+    item = next;
+  }
+}
+
+// Writes a finished task's rows: with one key split, the normalised output and its
+// logsumexp; with several, this split's normalised partial output and logsumexp in the
+// workspaces, which merge_split_outputs folds together once every task is done.
+template <typename scalar_t, typename acc_t>
+void finish_task(const PagedAttentionParams& p, const PagedTask& task,
+                 const PagedScratch<scalar_t, acc_t>& scratch) {
+  const int64_t group = scratch.plan.group, splits = scratch.plan.splits;
+  for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+    const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
+    for (int64_t r = 0; r < task.rows; ++r) {
+      acc_t* o_row = state.o + r * scratch.plan.ld_dv;
+      if (task.widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
+      const int64_t token = task.q_begin + task.first_query + r / group;
+      const int64_t head = kv_head * group + r % group;
+      const int64_t lse_index = token * p.num_heads + head;
+      if (splits == 1) {
+        scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                        head * p.out_strides.head;
+        static_cast<acc_t*>(p.lse)[lse_index] =
+            finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
+      } else {
+        const int64_t partial_index = task.split * p.total_q * p.num_heads + lse_index;
+        acc_t* partial = static_cast<acc_t*>(p.partial_out) + partial_index * p.head_dim_v;
+        static_cast<acc_t*>(p.partial_lse)[partial_index] = finish_row(
+            o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
+      }
+    }
+  }
+}
+
+// Folds the key splits' partial results into the output, one (token, head) row at a time, in
+// split order: out and lse as one attention over all the keys (merge_softmax_states).
+template <typename scalar_t>
+void merge_split_outputs(const PagedAttentionParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);  // [splits, rows, dim_v]
+  const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);  // [splits, rows]
+  const int64_t rows = p.total_q * p.num_heads, dim_v = p.head_dim_v;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    acc_t* merged = thread_scratch<acc_t>(dim_v);
+    for (int64_t index = begin; index < end; ++index) {
+      acc_t lse = partial_lse[index];
+      std::copy(partial_out + index * dim_v, partial_out + (index + 1) * dim_v, merged);
+      for (int64_t split = 1; split < p.num_kv_splits; ++split) {
+        const MergedState<acc_t> state =
+            merge_softmax_states(lse, partial_lse[split * rows + index]);
+        const acc_t* other = partial_out + (split * rows + index) * dim_v;
+        at::vec::map2(
+            [&state](Vec a, Vec b) { return a * Vec(state.weight_a) + b * Vec(state.weight_b); },
+            merged, merged, other, dim_v);
+        lse = state.lse;
+      }
+      const int64_t token = index / p.num_heads, head = index % p.num_heads;
+      store_row(merged, dim_v, acc_t(1),
+                static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                    head * p.out_strides.head);
+      static_cast<acc_t*>(p.lse)[index] = lse;
+    }
+  });
+}
+
+// Paged attention in one ISA build for a cache of scalar_t: the tasks in parallel, each
+// started, run item by item and finished, then the key splits merged.
 template <typename scalar_t>
 void paged_attention_kernel(const PagedAttentionParams& p) {
   using Traits = PagedKernelTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t kBlockK = kKeyBlock;
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t queries_per_tile = paged_queries_per_tile(p);
-  const int64_t tile_rows = paged_task_rows(p);
-  const int64_t q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile);
-  const int64_t splits = p.num_kv_splits;
-  const int64_t heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
-  const int64_t head_groups = ceil_div(p.num_kv_heads, heads_per_task);
-  const int64_t ld_d = round_up(p.head_dim, Vec::size());
-  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t head_state_size = 2 * tile_rows * ld_d + tile_rows * ld_dv + 2 * tile_rows;
-  const int64_t scratch_size = heads_per_task * head_state_size + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               tile_rows * kBlockK + kBlockK * p.head_dim;
-  const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
-  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
+  const PagedCallPlan plan = plan_paged_call<acc_t>(p);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool bf16_dots = Traits::kScoreByBf16Dots && cpu_has_avx512_bf16();
 #else
   constexpr bool bf16_dots = false;
 #endif
-
-  at::parallel_for(0, p.batch * head_groups * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
-    acc_t* head_states = thread_scratch<acc_t>(scratch_size);  // [heads_per_task, head_state_size]
-    acc_t* kt_tile = head_states + heads_per_task * head_state_size;  // [head_dim, kBlockK]
-    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;                    // [kBlockK, ld_dv]
-    acc_t* s_tile = v_tile + kBlockK * ld_dv;                          // [tile_rows, kBlockK]
-    acc_t* staging = s_tile + tile_rows * kBlockK;                     // [kBlockK, head_dim]
-    auto head_state = [&](int64_t i) {  // the task's i-th head
-      acc_t* base = head_states + i * head_state_size;
-      HeadState<scalar_t, acc_t> state;
-      state.q = base;
-      state.q_raw = reinterpret_cast<scalar_t*>(base + tile_rows * ld_d);
-      state.o = base + 2 * tile_rows * ld_d;
-      state.row_max_log2 = state.o + tile_rows * ld_dv;
-      state.row_sum = state.row_max_log2 + tile_rows;
-      return state;
-    };
-
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / (head_groups * q_chunks * splits);
-      const int64_t head_group = task / (q_chunks * splits) % head_groups;
-      const int64_t chunk = task / splits % q_chunks;
-      const int64_t split = task % splits;
-      const int64_t head_begin = head_group * heads_per_task;
-      const int64_t head_end = std::min(head_begin + heads_per_task, p.num_kv_heads);
-      const int64_t q_begin = p.cu_seqlens_q[seq];
-      const int64_t num_queries = p.cu_seqlens_q[seq + 1] - q_begin;
-      const int64_t first_query = chunk * queries_per_tile;
-      if (first_query >= num_queries) continue;
-      const int64_t queries = std::min(queries_per_tile, num_queries - first_query);
-      const int64_t rows = queries * group;
-      const int64_t seq_len = p.seq_lens[seq];
-      // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
-      const int64_t first_position = seq_len - num_queries + first_query;
-      const int64_t keys = first_position + queries;  // keys the chunk's last query sees
-      const int64_t split_keys = round_up(ceil_div(keys, splits), kBlockK);
-      const int64_t key_begin = std::min(split * split_keys, keys);
-      const int64_t key_end = std::min(key_begin + split_keys, keys);
-      const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
-
-      const bool direct = rows <= kDirectRows;
-      // The direct path's q and O rows in widen_bf16_pairs' order (kWidenInPairs).
-      const bool widen_in_pairs = direct && Traits::kWidenInPairs;
-      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
-        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
-        // Row r = (query first_query + r / group, head kv_head * group + r % group)
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
-                                  (q_begin + first_query + r / group) * p.q_strides.token +
-                                  (kv_head * group + r % group) * p.q_strides.head;
-          if (bf16_dots && direct) {
-            std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
-            continue;
-          }
-          load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
-          if (widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
-        }
-        std::fill(state.o, state.o + rows * ld_dv, acc_t(0));
-        std::fill(state.row_max_log2, state.row_max_log2 + rows, kMinusInf);
-        std::fill(state.row_sum, state.row_sum + rows, acc_t(0));
-      }
-
-      // The task's items go through its key tiles in order, and within a tile through its
-      // heads (plan_paged_tasks): the item after `item`.
-      auto following = [&](const WorkItem& item) {
-        if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
-        const int64_t key0 = item.key0 + kBlockK;
-        return WorkItem{key0, std::clamp<int64_t>(key_end - key0, 0, kBlockK), head_begin};
-      };
-      // rows[0, item.cols) the item's cached rows, then, where `ahead`, up to kPrefetchRows
-      // rows of `next` for the loops that request rows that far ahead.
-      auto list_rows = [&](const scalar_t* cache, const CacheStrides& strides, const WorkItem& item,
-                           const WorkItem& next, bool ahead, TileRows<scalar_t>& listed) {
-        cache_rows(cache, strides, block_table, p.block_size, item.kv_head, item.key0, item.cols, listed.rows);
-        listed.listed = item.cols;
-        if (ahead) {
-          const int64_t extra = std::min(Traits::kPrefetchRows, next.cols);
-          cache_rows(cache, strides, block_table, p.block_size, next.kv_head, next.key0, extra,
-                     listed.rows + item.cols);
-          listed.listed += extra;
-        }
-      };
-
-      const bool keys_in_value_pass = direct && Traits::value_pass_requests_keys(rows);
-      TileRows<scalar_t> k_rows, v_rows;
-      const bool values_ahead = keys_in_value_pass && Traits::kValuesRequestedTileAhead;
-      const scalar_t* next_values[kBlockK];  // the next item's value rows, where values_ahead
-      const WorkItem first{key_begin, std::min(kBlockK, key_end - key_begin), head_begin};
-      for (WorkItem item = first; item.cols > 0;) {
-        const WorkItem next = following(item);
-        const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
-        const int64_t key0 = item.key0, cols = item.cols;
-        const HeadState<scalar_t, acc_t> state = head_state(item.kv_head - head_begin);
-        // Rows of the next item are listed only for the loops that request them kPrefetchRows
-        // ahead: the gathered path's copies, and the direct score pass's keys where the value
-        // pass does not request them. The direct path requests value rows as it scores keys.
-        // Past the first item, the value pass that requested the keys listed them in k_rows.
-        if (!keys_in_value_pass || is_first) {
-          list_rows(k_cache, p.k_cache_strides, item, next, !keys_in_value_pass, k_rows);
-        }
-        if (!values_ahead || is_first) {
-          list_rows(v_cache, p.v_cache_strides, item, next, !direct, v_rows);
-        } else {
-          std::copy(next_values, next_values + cols, v_rows.rows);
-          v_rows.listed = cols;
-        }
-        // The value rows the score pass requests: this item's, or the next item's.
-        const scalar_t* const* value_requests = v_rows.rows;
-        int64_t values_requested = cols;
-        if (values_ahead) {
-          values_requested = next.cols;
-          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
-                     next_values);
-          value_requests = next_values;
-        }
-        if (keys_in_value_pass && is_first) {  // no earlier pass requested this item's rows
-          for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
-          if (values_ahead) {
-            for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
-          }
-        }
-        if (direct) {
-          // S = Q K^T from the cached key rows: no K^T tile to build.
-          dispatch_direct_rows(rows, [&](auto kRows) {
-            if constexpr (Traits::kScoreByBf16Dots) {
-              if (bf16_dots) {
-                return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
-                                         values_requested, cols, p.head_dim, p.head_dim_v, s_tile, kBlockK);
-              }
-            }
-            score_tile<kRows>(state.q, ld_d, acc_t(1), k_rows, value_requests, values_requested, cols, p.head_dim,
-                              p.head_dim_v, s_tile, kBlockK);
-          });
-        } else {
-          gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
-          transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
-          // S = Q K^T   [rows, cols]
-          tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          acc_t* s = s_tile + r * kBlockK;
-          const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
-          std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
-        }
-        online_softmax_tile(s_tile, kBlockK, rows, cols, state.row_max_log2, state.row_sum, state.o, ld_dv,
-                            p.head_dim_v);
-        if (direct) {
-          SweepRequests<scalar_t> next_keys;
-          if (keys_in_value_pass && next.cols > 0) {  // this item's keys are scored: reuse k_rows
-            cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
-                       k_rows.rows);
-            k_rows.listed = next.cols;
-            next_keys = {k_rows.rows, k_rows.listed, p.head_dim};
-          }
-          // O += P V, the cached value rows read in place.
-          dispatch_direct_rows(rows, [&](auto kRows) {
-            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, state.o, ld_dv, next_keys);
-          });
-        } else {
-          gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
-          // O += P V   [rows, head_dim_v]
-          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, state.o, ld_dv);
-        }
-        item = next;
-      }
-
-      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
-        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
-        for (int64_t r = 0; r < rows; ++r) {
-          acc_t* o_row = state.o + r * ld_dv;
-          if (widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
-          const int64_t token = q_begin + first_query + r / group;
-          const int64_t head = kv_head * group + r % group;
-          const int64_t lse_index = token * p.num_heads + head;
-          if (splits == 1) {
-            scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
-                            head * p.out_strides.head;
-            static_cast<acc_t*>(p.lse)[lse_index] =
-                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
-          } else {
-            acc_t* partial = static_cast<acc_t*>(p.partial_out) +
-                             (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
-            static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
-                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
-          }
-        }
-      }
-    }
-  });
-  if (splits == 1) return;
-
-  // Fold the splits' partial results into the output, one (token, head) row at a time.
-  at::parallel_for(0, p.total_q * p.num_heads, 64, [&](int64_t begin, int64_t end) {
-    acc_t* merged = thread_scratch<acc_t>(p.head_dim_v);
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+    const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
     for (int64_t index = begin; index < end; ++index) {
-      const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);
-      const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);
-      const int64_t stride = p.total_q * p.num_heads;
-      acc_t lse = partial_lse[index];
-      std::copy(partial_out + index * p.head_dim_v, partial_out + (index + 1) * p.head_dim_v, merged);
-      for (int64_t split = 1; split < splits; ++split) {
-        const MergedState<acc_t> state = merge_softmax_states(lse, partial_lse[split * stride + index]);
-        const acc_t* other = partial_out + (split * stride + index) * p.head_dim_v;
-        at::vec::map2([&state](Vec a, Vec b) { return a * Vec(state.weight_a) + b * Vec(state.weight_b); },
-                      merged, merged, other, p.head_dim_v);
-        lse = state.lse;
-      }
-      const int64_t token = index / p.num_heads, head = index % p.num_heads;
-      store_row(merged, p.head_dim_v, acc_t(1),
-                static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head);
-      static_cast<acc_t*>(p.lse)[index] = lse;
+      const PagedTask task = plan_task<scalar_t>(p, plan, index);
+      if (task.rows == 0) continue;
+      start_task(p, task, scratch, bf16_dots);
+      run_task_items(p, task, scratch, bf16_dots);
+      finish_task(p, task, scratch);
     }
   });
+  if (plan.splits > 1) merge_split_outputs<scalar_t>(p);
 }
 
 template <typename scalar_t>
