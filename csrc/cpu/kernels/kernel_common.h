@@ -36,9 +36,6 @@ struct AccumulateType<double> {
   using type = double;
 };
 
-constexpr int64_t kBlockQ = kQueryBlock;
-constexpr int64_t kBlockK = kKeyBlock;
-
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
