@@ -251,9 +251,9 @@ template <typename scalar_t>
 void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
                 int64_t block_size, int64_t kv_head, int64_t first, int64_t count, const scalar_t** rows) {
   for (int64_t i = 0; i < count;) {
-    const CacheSlot slot = slot_location(slot_of_position(block_table, first + i, block_size), block_size);
-    const scalar_t* row = cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
-    const int64_t in_block = std::min(block_size - slot.offset, count - i);
+    const CacheSlot location = position_location(block_table, first + i, block_size);
+    const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
+    const int64_t in_block = std::min(block_size - location.offset, count - i);
     for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
   }
 }
@@ -794,9 +794,9 @@ struct PagedTask {
   int64_t q_begin = 0;         // q's row of the sequence's first query
   int64_t first_query = 0;     // the chunk's first query, counted within the sequence
   int64_t rows = 0;            // the chunk's queries x group; 0 past the sequence's queries
-  int64_t first_position = 0;  // cache position of the chunk's first query
-  int64_t key_begin = 0;       // the split's keys: [key_begin, key_end)
-  int64_t key_end = 0;
+  int64_t seq_len = 0;         // the sequence's cached tokens
+  int64_t num_queries = 0;     // the sequence's queries, its last tokens
+  KeyRange keys{0, 0};         // the split's keys
   const int32_t* block_table = nullptr;
   bool direct = false;          // rows <= kDirectRows: cached K and V rows read in place
   bool widen_in_pairs = false;  // the direct path's q and O rows in widen_bf16_pairs' order
@@ -804,14 +804,14 @@ struct PagedTask {
   // The task's work items go through its key tiles in order, and within a tile through its
   // kv heads (plan_paged_tasks).
   WorkItem first_item() const {
-    return {key_begin, std::min(kKeyBlock, key_end - key_begin), head_begin};
+    return {keys.begin, std::min(kKeyBlock, keys.end - keys.begin), head_begin};
   }
 
   // The item after `item`; cols 0 after the last.
   WorkItem following(const WorkItem& item) const {
     if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
     const int64_t key0 = item.key0 + kKeyBlock;
-    return WorkItem{key0, std::clamp<int64_t>(key_end - key0, 0, kKeyBlock), head_begin};
+    return WorkItem{key0, std::clamp<int64_t>(keys.end - key0, 0, kKeyBlock), head_begin};
   }
 };
 
@@ -826,18 +826,15 @@ PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, in
   task.head_begin = head_group * plan.heads_per_task;
   task.head_end = std::min(task.head_begin + plan.heads_per_task, p.num_kv_heads);
   task.q_begin = p.cu_seqlens_q[seq];
-  const int64_t num_queries = p.cu_seqlens_q[seq + 1] - task.q_begin;
+  task.num_queries = p.cu_seqlens_q[seq + 1] - task.q_begin;
   task.first_query = chunk * plan.queries_per_tile;
-  if (task.first_query >= num_queries) return task;
-  const int64_t queries = std::min(plan.queries_per_tile, num_queries - task.first_query);
+  if (task.first_query >= task.num_queries) return task;
+  const int64_t queries = std::min(plan.queries_per_tile, task.num_queries - task.first_query);
   task.rows = queries * plan.group;
-  const int64_t seq_len = p.seq_lens[seq];
-  // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
-  task.first_position = seq_len - num_queries + task.first_query;
-  const int64_t keys = task.first_position + queries;  // keys the chunk's last query sees
-  const int64_t split_keys = round_up(ceil_div(keys, plan.splits), kKeyBlock);
-  task.key_begin = std::min(task.split * split_keys, keys);
-  task.key_end = std::min(task.key_begin + split_keys, keys);
+  task.seq_len = p.seq_lens[seq];
+  const int64_t last_query = task.first_query + queries - 1;
+  const int64_t keys = paged_keys_seen(task.seq_len, task.num_queries, last_query);
+  task.keys = split_key_range(keys, task.split, plan.splits, kKeyBlock);
   task.block_table = p.block_tables + seq * p.block_table_stride;
   task.direct = task.rows <= kDirectRows;
   task.widen_in_pairs = task.direct && PagedKernelTraits<scalar_t>::kWidenInPairs;
@@ -997,8 +994,9 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
   const int64_t group = scratch.plan.group;
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* s = s_tile + r * kKeyBlock;
-    const int64_t visible =
-        std::clamp<int64_t>(task.first_position + r / group + 1 - item.key0, 0, cols);
+    const int64_t query = task.first_query + r / group;
+    const int64_t seen = paged_keys_seen(task.seq_len, task.num_queries, query);
+    const int64_t visible = std::clamp<int64_t>(seen - item.key0, 0, cols);
     std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
   }
   online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
