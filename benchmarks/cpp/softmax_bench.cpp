@@ -35,15 +35,15 @@ namespace mha_ext::bench {
 namespace {
 
 namespace kernels = cpu::CPU_CAPABILITY;
-using kernels::kBlockQ;
+using cpu::kQueryBlock;
 
 struct ScoreTile {
   int64_t cols, head_dim_v;
-  std::vector<float> tile, out, row_max, row_sum;  // [kBlockQ, cols], [kBlockQ, head_dim_v], [kBlockQ] x 2
+  std::vector<float> tile, out, row_max, row_sum;  // [kQueryBlock, cols], [kQueryBlock, head_dim_v], [kQueryBlock] x 2
 
   ScoreTile(int64_t cols_, int64_t head_dim_v_)
-      : cols(cols_), head_dim_v(head_dim_v_), tile(kBlockQ * cols),
-        out(kBlockQ * head_dim_v, 0.f), row_max(kBlockQ, 0.f), row_sum(kBlockQ, 1.f) {
+      : cols(cols_), head_dim_v(head_dim_v_), tile(kQueryBlock * cols),
+        out(kQueryBlock * head_dim_v, 0.f), row_max(kQueryBlock, 0.f), row_sum(kQueryBlock, 1.f) {
     // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
     // 1 after the softmax scale. The running max starts above them (6 in the log2 units of
     // both kernels' maxima, about 4 in natural ones), so the lazy rescale stays as rare as in
@@ -57,7 +57,8 @@ struct ScoreTile {
 
 void count_scores(benchmark::State& state, const ScoreTile& t) {
   state.counters["ns_per_score"] =
-      benchmark::Counter(state.iterations() * kBlockQ * t.cols, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+      benchmark::Counter(state.iterations() * kQueryBlock * t.cols,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
 // The fp32 kernels' step, with the scale fused into the exp.
@@ -65,7 +66,7 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
-    kernels::online_softmax_tile(t.tile.data(), t.cols, kBlockQ, t.cols, t.row_max.data(), t.row_sum.data(),
+    kernels::online_softmax_tile(t.tile.data(), t.cols, kQueryBlock, t.cols, t.row_max.data(), t.row_sum.data(),
                                  t.out.data(), t.head_dim_v, t.head_dim_v, scale);
     benchmark::DoNotOptimize(t.tile.data());
     benchmark::ClobberMemory();
@@ -78,11 +79,11 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
 void BM_SoftmaxTileBf16(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
-  std::vector<float> row_sums(kBlockQ * kernels::kSumLanes, 1.f);  // [kBlockQ, kSumLanes]
+  std::vector<float> row_sums(kQueryBlock * kernels::kSumLanes, 1.f);  // [kQueryBlock, kSumLanes]
   const int64_t ld_probs = kernels::round_up(t.cols, 32);          // as softmax_tile_to_probs writes
-  std::vector<c10::BFloat16> probs(kBlockQ * ld_probs);            // [kBlockQ, ld_probs]
+  std::vector<c10::BFloat16> probs(kQueryBlock * ld_probs);            // [kQueryBlock, ld_probs]
   for (auto _ : state) {
-    kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kBlockQ, t.cols, scale, t.row_max.data(),
+    kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kQueryBlock, t.cols, scale, t.row_max.data(),
                                    row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, probs.data(),
                                    ld_probs);
     benchmark::DoNotOptimize(probs.data());

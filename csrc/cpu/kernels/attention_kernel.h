@@ -103,7 +103,7 @@ constexpr int64_t kMaxSubBlocks = 8;
 // How the forward splits into tasks (batch, kv head, chunk of query blocks).
 struct ForwardPlan {
   int64_t group;            // query heads per kv head
-  int64_t q_blocks;         // query blocks of kBlockQ rows
+  int64_t q_blocks;         // query blocks of kQueryBlock rows
   int64_t blocks_per_task;  // query blocks per chunk
   int64_t chunks;           // chunks per (batch, kv head)
   int64_t sub_blocks;       // (query head, query block) sub-blocks per task
@@ -111,7 +111,7 @@ struct ForwardPlan {
 
 inline ForwardPlan plan_forward(const AttentionForwardParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ);
+  const int64_t q_blocks = ceil_div(p.seq_q, kQueryBlock);
   // Query blocks per task: as many as fit kMaxSubBlocks with the whole group, fewer while
   // that would leave fewer than two tasks per thread.
   int64_t blocks_per_task = std::max<int64_t>(1, std::min(q_blocks, kMaxSubBlocks / group));
@@ -141,16 +141,16 @@ struct ForwardTask {
   }
   int64_t sub_blocks() const { return blocks * plan.group; }
   int64_t head(int64_t i) const { return kv_head * plan.group + i / blocks; }
-  int64_t row0(int64_t i) const { return (first_block + i % blocks) * kBlockQ; }
-  int64_t rows(int64_t i) const { return std::min(kBlockQ, p.seq_q - row0(i)); }
+  int64_t row0(int64_t i) const { return (first_block + i % blocks) * kQueryBlock; }
+  int64_t rows(int64_t i) const { return std::min(kQueryBlock, p.seq_q - row0(i)); }
   // Both window bounds grow with the row: a query block's keys run from its first row's
   // begin to its last row's end, and the task's from its first block to its last. Key tiles
-  // start at multiples of kBlockK.
+  // start at multiples of kKeyBlock.
   int64_t key_begin() const {
-    return visible_keys(p.window, first_block * kBlockQ, p.seq_k).begin / kBlockK * kBlockK;
+    return visible_keys(p.window, first_block * kQueryBlock, p.seq_k).begin / kKeyBlock * kKeyBlock;
   }
   int64_t key_end() const {
-    return visible_keys(p.window, std::min(p.seq_q, (first_block + blocks) * kBlockQ) - 1, p.seq_k).end;
+    return visible_keys(p.window, std::min(p.seq_q, (first_block + blocks) * kQueryBlock) - 1, p.seq_k).end;
   }
   // Whether some row of sub-block i sees a key of [key0, key0 + cols).
   bool sees(int64_t i, int64_t key0, int64_t cols) const {
@@ -176,7 +176,7 @@ struct ForwardTask {
     return run;
   }
   // Rows of sub-blocks [i, i + run).
-  int64_t rows(int64_t i, int64_t run) const { return (run - 1) * kBlockQ + rows(i + run - 1); }
+  int64_t rows(int64_t i, int64_t run) const { return (run - 1) * kQueryBlock + rows(i + run - 1); }
   template <typename scalar_t>
   const scalar_t* kv_rows(const void* data, const RowStrides& strides) const {
     return static_cast<const scalar_t*>(data) + batch * strides.batch + kv_head * strides.head;
@@ -190,7 +190,7 @@ template <typename acc_t>
 void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum,
                 int64_t sum_lanes = 1) {
   for (int64_t i = 0; i < task.sub_blocks(); ++i) {
-    const int64_t first = i * kBlockQ, rows = task.rows(i);
+    const int64_t first = i * kQueryBlock, rows = task.rows(i);
     std::fill(o_tiles + first * ld_dv, o_tiles + (first + rows) * ld_dv, acc_t(0));
     std::fill(row_max + first, row_max + first + rows, -std::numeric_limits<acc_t>::infinity());
     std::fill(row_sum + first * sum_lanes, row_sum + (first + rows) * sum_lanes, acc_t(0));
@@ -209,7 +209,7 @@ void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, c
                     head * p.out_strides.head + row0 * p.out_strides.row;
     acc_t* lse = static_cast<acc_t*>(p.lse) + (task.batch * p.num_heads + head) * p.seq_q + row0;
     for (int64_t r = 0; r < task.rows(i); ++r) {
-      const int64_t row = i * kBlockQ + r;
+      const int64_t row = i * kQueryBlock + r;
       const acc_t* partial_sums = row_sum + row * sum_lanes;
       const acc_t sum = std::accumulate(partial_sums, partial_sums + sum_lanes, acc_t(0));
       lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row] * max_unit, sum,
@@ -226,20 +226,20 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   // Row strides of the fp32 tiles, padded to whole vectors.
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t sub_rows = plan.sub_blocks * kBlockQ;
-  const int64_t scratch_size = sub_rows * ld_d + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               kBlockQ * kBlockK + sub_rows * ld_dv + 2 * sub_rows +
-                               kBlockK * p.head_dim;
+  const int64_t sub_rows = plan.sub_blocks * kQueryBlock;
+  const int64_t scratch_size = sub_rows * ld_d + p.head_dim * kKeyBlock + kKeyBlock * ld_dv +
+                               kQueryBlock * kKeyBlock + sub_rows * ld_dv + 2 * sub_rows +
+                               kKeyBlock * p.head_dim;
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
-    acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kBlockQ, ld_d]
-    acc_t* kt_tile = q_tiles + sub_rows * ld_d;             // [head_dim, kBlockK]
-    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;         // [kBlockK, ld_dv]
-    acc_t* s_tile = v_tile + kBlockK * ld_dv;               // [kBlockQ, kBlockK]
-    acc_t* o_tiles = s_tile + kBlockQ * kBlockK;            // [sub_blocks, kBlockQ, ld_dv]
-    acc_t* row_max_log2 = o_tiles + sub_rows * ld_dv;       // [sub_blocks, kBlockQ]
-    acc_t* row_sum = row_max_log2 + sub_rows;               // [sub_blocks, kBlockQ]
-    acc_t* staging = row_sum + sub_rows;                    // [kBlockK, head_dim]
+    acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kQueryBlock, ld_d]
+    acc_t* kt_tile = q_tiles + sub_rows * ld_d;             // [head_dim, kKeyBlock]
+    acc_t* v_tile = kt_tile + p.head_dim * kKeyBlock;         // [kKeyBlock, ld_dv]
+    acc_t* s_tile = v_tile + kKeyBlock * ld_dv;               // [kQueryBlock, kKeyBlock]
+    acc_t* o_tiles = s_tile + kQueryBlock * kKeyBlock;            // [sub_blocks, kQueryBlock, ld_dv]
+    acc_t* row_max_log2 = o_tiles + sub_rows * ld_dv;       // [sub_blocks, kQueryBlock]
+    acc_t* row_sum = row_max_log2 + sub_rows;               // [sub_blocks, kQueryBlock]
+    acc_t* staging = row_sum + sub_rows;                    // [kKeyBlock, head_dim]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
@@ -249,34 +249,34 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
       for (int64_t i = 0; i < task.sub_blocks(); ++i) {
         const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                             task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
-        load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kBlockQ * ld_d, ld_d,
+        load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kQueryBlock * ld_d, ld_d,
                   static_cast<acc_t>(p.scale));
       }
       reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sum);
 
       const int64_t key_end = task.key_end();
-      for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, p.seq_k - key0);
+      for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, p.seq_k - key0);
         load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
-                             kt_tile, kBlockK, staging);
+                             kt_tile, kKeyBlock, staging);
         load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
 
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
           if (!task.sees(i, key0, cols)) continue;
           const int64_t head = task.head(i), row0 = task.row0(i), rows = task.rows(i);
-          const acc_t* q_tile = q_tiles + i * kBlockQ * ld_d;
-          acc_t* o_tile = o_tiles + i * kBlockQ * ld_dv;
+          const acc_t* q_tile = q_tiles + i * kQueryBlock * ld_d;
+          acc_t* o_tile = o_tiles + i * kQueryBlock * ld_dv;
           // S = Q K^T   [rows, cols]
-          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
-          mask_scores_tile<scalar_t>(s_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-          online_softmax_tile(s_tile, kBlockK, rows, cols, row_max_log2 + i * kBlockQ, row_sum + i * kBlockQ,
+          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, s_tile, kKeyBlock);
+          mask_scores_tile<scalar_t>(s_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0);
+          online_softmax_tile(s_tile, kKeyBlock, rows, cols, row_max_log2 + i * kQueryBlock, row_sum + i * kQueryBlock,
                               o_tile, ld_dv, p.head_dim_v);
           // Dropout acts on the normalised probabilities, after their sum was taken.
           for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
-            apply_dropout_row(s_tile + r * kBlockK, cols, p.dropout, batch, head, row0 + r, key0);
+            apply_dropout_row(s_tile + r * kKeyBlock, cols, p.dropout, batch, head, row0 + r, key0);
           }
           // O += P V   [rows, head_dim_v]
-          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, o_tile, ld_dv);
+          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kKeyBlock, v_tile, ld_dv, o_tile, ld_dv);
         }
       }
       finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sum, /*sum_lanes=*/1, /*max_unit=*/kLn2);
@@ -300,7 +300,7 @@ struct BackwardTask {
   scalar_t *grad_k, *grad_v;
 
   BackwardTask(const AttentionBackwardParams& p, int64_t task) {
-    const int64_t splits = p.num_kv_splits, key_blocks = ceil_div(p.seq_k, kBlockK);
+    const int64_t splits = p.num_kv_splits, key_blocks = ceil_div(p.seq_k, kKeyBlock);
     batch = task / (p.num_kv_heads * splits);
     kv_head = task / splits % p.num_kv_heads;
     split = task % splits;
@@ -394,24 +394,24 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t splits = p.num_kv_splits;
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t tile = kBlockQ * kBlockK;
-  const int64_t scratch_size = kBlockQ * ld_d + kBlockQ * ld_dv + kBlockK * ld_d +
-                               p.head_dim * kBlockK + p.head_dim_v * kBlockK + 3 * tile +
-                               kBlockK * ld_d + kBlockK * ld_dv + kBlockK * p.head_dim_v;
+  const int64_t tile = kQueryBlock * kKeyBlock;
+  const int64_t scratch_size = kQueryBlock * ld_d + kQueryBlock * ld_dv + kKeyBlock * ld_d +
+                               p.head_dim * kKeyBlock + p.head_dim_v * kKeyBlock + 3 * tile +
+                               kKeyBlock * ld_d + kKeyBlock * ld_dv + kKeyBlock * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kBlockQ, ld_d]
-    acc_t* do_tile = q_tile + kBlockQ * ld_d;              // [kBlockQ, ld_dv]
-    acc_t* k_tile = do_tile + kBlockQ * ld_dv;             // [kBlockK, ld_d]
-    acc_t* kt_tile = k_tile + kBlockK * ld_d;              // [head_dim, kBlockK]
-    acc_t* vt_tile = kt_tile + p.head_dim * kBlockK;       // [head_dim_v, kBlockK]
-    acc_t* p_tile = vt_tile + p.head_dim_v * kBlockK;      // [kBlockQ, kBlockK] P
-    acc_t* pd_tile = p_tile + tile;                        // [kBlockQ, kBlockK] P after dropout
-    acc_t* ds_tile = pd_tile + tile;                       // [kBlockQ, kBlockK] dP, then dS
-    acc_t* dk_tile = ds_tile + tile;                       // [kBlockK, ld_d]
-    acc_t* dv_tile = dk_tile + kBlockK * ld_d;             // [kBlockK, ld_dv]
-    acc_t* staging = dv_tile + kBlockK * ld_dv;            // [kBlockK, head_dim_v]
+    acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kQueryBlock, ld_d]
+    acc_t* do_tile = q_tile + kQueryBlock * ld_d;              // [kQueryBlock, ld_dv]
+    acc_t* k_tile = do_tile + kQueryBlock * ld_dv;             // [kKeyBlock, ld_d]
+    acc_t* kt_tile = k_tile + kKeyBlock * ld_d;              // [head_dim, kKeyBlock]
+    acc_t* vt_tile = kt_tile + p.head_dim * kKeyBlock;       // [head_dim_v, kKeyBlock]
+    acc_t* p_tile = vt_tile + p.head_dim_v * kKeyBlock;      // [kQueryBlock, kKeyBlock] P
+    acc_t* pd_tile = p_tile + tile;                        // [kQueryBlock, kKeyBlock] P after dropout
+    acc_t* ds_tile = pd_tile + tile;                       // [kQueryBlock, kKeyBlock] dP, then dS
+    acc_t* dk_tile = ds_tile + tile;                       // [kKeyBlock, ld_d]
+    acc_t* dv_tile = dk_tile + kKeyBlock * ld_d;             // [kKeyBlock, ld_dv]
+    acc_t* staging = dv_tile + kKeyBlock * ld_dv;            // [kKeyBlock, head_dim_v]
 
     for (int64_t index = begin; index < end; ++index) {
       const BackwardTask<scalar_t> task(p, index);
@@ -423,12 +423,12 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       }
 
       for (int64_t block = task.first_block; block < task.end_block; ++block) {
-        const int64_t key0 = block * kBlockK;
-        const int64_t cols = std::min(kBlockK, p.seq_k - key0);
+        const int64_t key0 = block * kKeyBlock;
+        const int64_t cols = std::min(kKeyBlock, p.seq_k - key0);
         load_rows(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, k_tile, ld_d);
-        transpose_tile(k_tile, ld_d, cols, p.head_dim, kt_tile, kBlockK);
+        transpose_tile(k_tile, ld_d, cols, p.head_dim, kt_tile, kKeyBlock);
         load_rows_transposed(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v,
-                             vt_tile, kBlockK, staging);
+                             vt_tile, kKeyBlock, staging);
         std::fill(dk_tile, dk_tile + cols * ld_d, acc_t(0));
         std::fill(dv_tile, dv_tile + cols * ld_dv, acc_t(0));
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
@@ -438,8 +438,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
           const acc_t* lse = static_cast<const acc_t*>(p.lse) + bh * p.seq_q;
           const acc_t* delta = static_cast<const acc_t*>(p.delta) + bh * p.seq_q;
           acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, bh);
-          for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBlockQ) {
-            const int64_t rows = std::min(kBlockQ, seeing.end - row0);
+          for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kQueryBlock) {
+            const int64_t rows = std::min(kQueryBlock, seeing.end - row0);
             // Scaled on load: S = (scale Q) K^T, and dK = dS^T (scale Q) needs no rescaling.
             load_rows(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                           head * p.q_strides.head + row0 * p.q_strides.row,
@@ -449,27 +449,27 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                       p.grad_out_strides.row, rows, p.head_dim_v, do_tile, ld_dv);
 
             // P = exp(S - lse), recomputed from the saved logsumexp   [rows, cols]
-            tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kBlockK, p_tile,
-                             kBlockK);
-            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, row0, key0);
-            probs_from_lse(p_tile, kBlockK, rows, cols, lse + row0, acc_t(1));
-            const acc_t* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, row0, key0);
+            tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, p_tile,
+                             kKeyBlock);
+            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0);
+            probs_from_lse(p_tile, kKeyBlock, rows, cols, lse + row0, acc_t(1));
+            const acc_t* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout, batch, head, row0, key0);
             // dV += P_dropped^T dO   [cols, head_dim_v]
-            tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kBlockK, do_tile, ld_dv, dv_tile,
+            tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kKeyBlock, do_tile, ld_dv, dv_tile,
                                   ld_dv);
             // dP = dO V^T   [rows, cols]
-            tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kBlockK, ds_tile,
-                             kBlockK);
+            tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kKeyBlock, ds_tile,
+                             kKeyBlock);
             // dS = P * (dP * dropout - delta)
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_grad_row(ds_tile + r * kBlockK, p_tile + r * kBlockK, cols, delta[row0 + r], p.dropout,
+              softmax_grad_row(ds_tile + r * kKeyBlock, p_tile + r * kKeyBlock, cols, delta[row0 + r], p.dropout,
                                batch, head, row0 + r, key0);
             }
             // dK += dS^T (scale Q)   [cols, head_dim]
-            tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kBlockK, q_tile, ld_d, dk_tile,
+            tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kKeyBlock, q_tile, ld_d, dk_tile,
                                   ld_d);
             // dQ += dS K   [rows, head_dim]  (scaled when the splits are summed)
-            tile_gemm<true>(rows, p.head_dim, cols, ds_tile, kBlockK, k_tile, ld_d,
+            tile_gemm<true>(rows, p.head_dim, cols, ds_tile, kKeyBlock, k_tile, ld_d,
                             grad_q_accum + row0 * p.head_dim, p.head_dim);
           }
         }
@@ -630,15 +630,15 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   const bool prepacked = plan.chunks > 1;
   if (prepacked) pack_kv_tiles(p, layout);
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t sub_rows = plan.sub_blocks * kBlockQ;
+  const int64_t sub_rows = plan.sub_blocks * kQueryBlock;
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
   // O accumulators [sub_rows, ld_dv], row max in log2 units [sub_rows], partial row sums
-  // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kBlockQ, key_tile], the
+  // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kQueryBlock, key_tile], the
   // task's own packed tile where not prepacked.
   const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + sub_rows +
-                               sub_rows * kSumLanes + kBlockQ * key_tile + (prepacked ? 0 : layout.tile_words);
+                               sub_rows * kSumLanes + kQueryBlock * key_tile + (prepacked ? 0 : layout.tile_words);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
@@ -646,8 +646,8 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
     float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
     float* row_max_log2 = o_tiles + sub_rows * ld_dv;                              // [sub_rows]
     float* row_sums = row_max_log2 + sub_rows;                                     // [sub_rows, kSumLanes]
-    float* dropout_probs = row_sums + sub_rows * kSumLanes;                        // [kBlockQ, key_tile]
-    uint32_t* own_tile = reinterpret_cast<uint32_t*>(dropout_probs + kBlockQ * key_tile);  // [layout.tile_words]
+    float* dropout_probs = row_sums + sub_rows * kSumLanes;                        // [kQueryBlock, key_tile]
+    uint32_t* own_tile = reinterpret_cast<uint32_t*>(dropout_probs + kQueryBlock * key_tile);  // [layout.tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
@@ -674,13 +674,13 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           // S = Q K^T   [rows, cols] of sub-blocks [i, i + run), straight from q's rows
           at::native::cpublas::brgemm(task.rows(i, run), task.cols_seen(i, key0, cols), p.head_dim, p.q_strides.row,
                                       key_tile, key_tile, false, q, reinterpret_cast<const scalar_t*>(kt_pairs),
-                                      s_tiles + i * kBlockQ * key_tile, true);
+                                      s_tiles + i * kQueryBlock * key_tile, true);
         }
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
           if (!task.sees(i, key0, cols)) continue;
           const int64_t head = task.head(i), row0 = task.row0(i), rows = task.rows(i);
           const int64_t cols_i = task.cols_seen(i, key0, cols), even_cols_i = round_up(cols_i, 2);
-          float* s_tile = s_tiles + i * kBlockQ * key_tile;
+          float* s_tile = s_tiles + i * kQueryBlock * key_tile;
           // An additive mask adds to scaled scores; otherwise the exp applies the scale.
           for (int64_t r = 0; !fold_scale && r < rows; ++r) {
             float* s = s_tile + r * key_tile;
@@ -688,10 +688,10 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           }
           mask_scores_tile<scalar_t>(s_tile, key_tile, rows, cols_i, p, batch, head, row0, key0);
           // P [rows, key_tile] in bf16, zero past cols_i (the pad column included)
-          scalar_t* p_tile = p_tiles + i * kBlockQ * key_tile;
-          float* row_max_log2_i = row_max_log2 + i * kBlockQ;
-          float* row_sums_i = row_sums + i * kBlockQ * kSumLanes;
-          float* o_tile = o_tiles + i * kBlockQ * ld_dv;
+          scalar_t* p_tile = p_tiles + i * kQueryBlock * key_tile;
+          float* row_max_log2_i = row_max_log2 + i * kQueryBlock;
+          float* row_sums_i = row_sums + i * kQueryBlock * kSumLanes;
+          float* o_tile = o_tiles + i * kQueryBlock * ld_dv;
           const float score_scale = fold_scale ? scale : 1.f;
           if (!p.dropout.enabled) {
             softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i, row_sums_i, o_tile,
@@ -712,8 +712,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
           if (run == 0) continue;
           // O += P V   [rows, head_dim_v] of sub-blocks [i, i + run)
           at::native::cpublas::brgemm(task.rows(i, run), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2),
-                                      key_tile, p.head_dim_v, ld_dv, true, p_tiles + i * kBlockQ * key_tile,
-                                      reinterpret_cast<const scalar_t*>(v_pairs), o_tiles + i * kBlockQ * ld_dv, true);
+                                      key_tile, p.head_dim_v, ld_dv, true, p_tiles + i * kQueryBlock * key_tile,
+                                      reinterpret_cast<const scalar_t*>(v_pairs),
+                                      o_tiles + i * kQueryBlock * ld_dv, true);
         }
       }
 
@@ -829,12 +830,12 @@ inline c10::BFloat16* transposed_rows(const AttentionBackwardParams& p, int64_t 
 // zero (a run of odd length reads one as the pair of its last row).
 inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
   using scalar_t = c10::BFloat16;
-  const int64_t q_blocks = ceil_div(p.seq_q, kBlockQ), dims = p.head_dim + p.head_dim_v;
+  const int64_t q_blocks = ceil_div(p.seq_q, kQueryBlock), dims = p.head_dim + p.head_dim_v;
   const int64_t ld = transposed_row_length(p.seq_q);
   at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
-      const int64_t row0 = index % q_blocks * kBlockQ, rows = std::min(kBlockQ, p.seq_q - row0);
+      const int64_t row0 = index % q_blocks * kQueryBlock, rows = std::min(kQueryBlock, p.seq_q - row0);
       scalar_t* q_t = transposed_rows(p, bh) + row0;  // [head_dim, ld] from column row0
       scalar_t* grad_out_t = q_t + p.head_dim * ld;   // [head_dim_v, ld] from column row0
       transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
@@ -843,8 +844,8 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
       transpose_bf16(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                          head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
                      p.grad_out_strides.row, rows, p.head_dim_v, grad_out_t, ld);
-      for (int64_t d = 0; rows < kBlockQ && d < dims; ++d) {
-        std::fill(q_t + d * ld + rows, q_t + d * ld + kBlockQ, scalar_t(0.f));
+      for (int64_t d = 0; rows < kQueryBlock && d < dims; ++d) {
+        std::fill(q_t + d * ld + rows, q_t + d * ld + kQueryBlock, scalar_t(0.f));
       }
     }
   });
@@ -871,29 +872,29 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t chunk_rows = kBackwardChunkBlocks * kBlockQ, chunk_tile = chunk_rows * kBlockK;
+  const int64_t chunk_rows = kBackwardChunkBlocks * kQueryBlock, chunk_tile = chunk_rows * kKeyBlock;
   const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of a chunk; bf16 P and dS
   // in row pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
   // staging of their transposes.
-  const int64_t scratch_size = (d / 2) * kBlockK + (dv / 2) * kBlockK + kBlockK / 2 * d + 3 * chunk_tile +
-                               3 * chunk_tile / 2 + (d + dv) * kBlockK + kBlockK * std::max(d, dv);
+  const int64_t scratch_size = (d / 2) * kKeyBlock + (dv / 2) * kKeyBlock + kKeyBlock / 2 * d + 3 * chunk_tile +
+                               3 * chunk_tile / 2 + (d + dv) * kKeyBlock + kKeyBlock * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kBlockK]
-    uint32_t* vt_pairs = kt_pairs + d / 2 * kBlockK;     // [dv / 2, kBlockK]
-    uint32_t* k_pairs = vt_pairs + dv / 2 * kBlockK;     // [kBlockK / 2, d]
-    float* p_tile = reinterpret_cast<float*>(k_pairs + kBlockK / 2 * d);  // [chunk_rows, kBlockK] P
-    float* pd_tile = p_tile + chunk_tile;                // [chunk_rows, kBlockK] P after dropout
-    float* ds_tile = pd_tile + chunk_tile;               // [chunk_rows, kBlockK] dP, then dS
-    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kBlockK] dropped P
-    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;       // [chunk_rows / 2, kBlockK] dS
-    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);  // [chunk_rows, kBlockK] dS
-    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_tile);  // [d, kBlockK]
-    float* dvt_tile = dkt_tile + d * kBlockK;            // [dv, kBlockK]
-    float* staging = dvt_tile + dv * kBlockK;            // [kBlockK, max(d, dv)]
+    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kKeyBlock]
+    uint32_t* vt_pairs = kt_pairs + d / 2 * kKeyBlock;     // [dv / 2, kKeyBlock]
+    uint32_t* k_pairs = vt_pairs + dv / 2 * kKeyBlock;     // [kKeyBlock / 2, d]
+    float* p_tile = reinterpret_cast<float*>(k_pairs + kKeyBlock / 2 * d);  // [chunk_rows, kKeyBlock] P
+    float* pd_tile = p_tile + chunk_tile;                // [chunk_rows, kKeyBlock] P after dropout
+    float* ds_tile = pd_tile + chunk_tile;               // [chunk_rows, kKeyBlock] dP, then dS
+    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kKeyBlock] dropped P
+    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;       // [chunk_rows / 2, kKeyBlock] dS
+    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);  // [chunk_rows, kKeyBlock] dS
+    float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_tile);  // [d, kKeyBlock]
+    float* dvt_tile = dkt_tile + d * kKeyBlock;            // [dv, kKeyBlock]
+    float* staging = dvt_tile + dv * kKeyBlock;            // [kKeyBlock, max(d, dv)]
 
     for (int64_t index = begin; index < end; ++index) {
       const BackwardTask<scalar_t> task(p, index);
@@ -905,18 +906,18 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
       int64_t written_begin = p.seq_q, written_end = 0;
 
       for (int64_t block = task.first_block; block < task.end_block; ++block) {
-        const int64_t key0 = block * kBlockK;
-        const int64_t cols = std::min(kBlockK, p.seq_k - key0), even_cols = round_up(cols, 2);
-        pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kBlockK);
-        pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kBlockK);
+        const int64_t key0 = block * kKeyBlock;
+        const int64_t cols = std::min(kKeyBlock, p.seq_k - key0), even_cols = round_up(cols, 2);
+        pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kKeyBlock);
+        pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kKeyBlock);
         pack_row_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
-        std::fill(dkt_tile, dkt_tile + (d + dv) * kBlockK, 0.f);  // and dvt_tile
+        std::fill(dkt_tile, dkt_tile + (d + dv) * kKeyBlock, 0.f);  // and dvt_tile
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
         // Whole query blocks, so that each block's dQ rows are written whole: rows of the
         // first and last block that see none of these keys get P = 0 and add nothing.
-        const int64_t rows_begin = seeing.begin / kBlockQ * kBlockQ;
+        const int64_t rows_begin = seeing.begin / kQueryBlock * kQueryBlock;
         const int64_t rows_end =
-            seeing.begin < seeing.end ? std::min(p.seq_q, round_up(seeing.end, kBlockQ)) : rows_begin;
+            seeing.begin < seeing.end ? std::min(p.seq_q, round_up(seeing.end, kQueryBlock)) : rows_begin;
 
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
           const int64_t bh = batch * p.num_heads + head;
@@ -937,48 +938,49 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
             // then dQ, then dV^T and dK^T): brgemm reloads the AMX tile configuration whenever
             // the shape changes.
             // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kBlockK, kBlockK, false, q,
+            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kKeyBlock, kKeyBlock, false, q,
                                         reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
             // dP = dO V^T   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kBlockK, kBlockK, false, grad_out,
+            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kKeyBlock, kKeyBlock, false, grad_out,
                                         reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
             for (int64_t r = 0; !fold_scale && r < rows; ++r) {
-              float* s = p_tile + r * kBlockK;
+              float* s = p_tile + r * kKeyBlock;
               at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
             }
-            mask_scores_tile<scalar_t>(p_tile, kBlockK, rows, cols, p, batch, head, chunk0, key0);
+            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, chunk0, key0);
             // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
             for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
-              apply_dropout_row(ds_tile + r * kBlockK, cols, p.dropout, batch, head, chunk0 + r, key0);
+              apply_dropout_row(ds_tile + r * kKeyBlock, cols, p.dropout, batch, head, chunk0 + r, key0);
             }
             // P and dS = P * (dP - delta), in the layouts the products below take
-            probs_and_score_grads(p_tile, ds_tile, kBlockK, rows, cols, lse + chunk0, delta + chunk0,
+            probs_and_score_grads(p_tile, ds_tile, kKeyBlock, rows, cols, lse + chunk0, delta + chunk0,
                                   fold_scale ? scale : 1.f, /*keep_probs=*/p.dropout.enabled, p_pairs, ds_pairs,
                                   ds_bf16);
             // dV sees the dropped probabilities: their pairs replace those of P.
             if (p.dropout.enabled) {
-              const float* pd = dropped_probs(p_tile, pd_tile, kBlockK, rows, cols, p.dropout, batch, head, chunk0, key0);
-              round_to_row_pairs(pd, kBlockK, rows, cols, p_pairs, kBlockK);
+              const float* pd =
+                  dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout, batch, head, chunk0, key0);
+              round_to_row_pairs(pd, kKeyBlock, rows, cols, p_pairs, kKeyBlock);
             }
             // dQ += dS K   [rows, d]  (scaled when the splits are summed): into the blocks an
             // earlier key block wrote, and writing the others
             const int64_t added_end = std::clamp(written_end, chunk0, chunk_end);
             if (added_end > chunk0) {
-              at::native::cpublas::brgemm(added_end - chunk0, d, even_cols, kBlockK, d, d, /*add_C=*/true, ds_bf16,
+              at::native::cpublas::brgemm(added_end - chunk0, d, even_cols, kKeyBlock, d, d, /*add_C=*/true, ds_bf16,
                                           reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + chunk0 * d, true);
             }
             if (chunk_end > added_end) {
-              at::native::cpublas::brgemm(chunk_end - added_end, d, even_cols, kBlockK, d, d, /*add_C=*/false,
-                                          ds_bf16 + (added_end - chunk0) * kBlockK,
+              at::native::cpublas::brgemm(chunk_end - added_end, d, even_cols, kKeyBlock, d, d, /*add_C=*/false,
+                                          ds_bf16 + (added_end - chunk0) * kKeyBlock,
                                           reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + added_end * d, true);
             }
             // An odd row count ends on the zero row of the pairs.
             const int64_t depth = round_up(rows, 2);
             // dV^T += dO^T P_dropped   [dv, cols]
-            at::native::cpublas::brgemm(dv, cols, depth, ld_t, kBlockK, kBlockK, true, grad_out_t + chunk0,
+            at::native::cpublas::brgemm(dv, cols, depth, ld_t, kKeyBlock, kKeyBlock, true, grad_out_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
             // dK^T += Q^T dS   [d, cols]  (scaled on the store)
-            at::native::cpublas::brgemm(d, cols, depth, ld_t, kBlockK, kBlockK, true, q_t + chunk0,
+            at::native::cpublas::brgemm(d, cols, depth, ld_t, kKeyBlock, kKeyBlock, true, q_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(ds_pairs), dkt_tile, true);
           }
         }
@@ -988,11 +990,11 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           written_begin = std::min(written_begin, rows_begin);
           written_end = rows_end;
         }
-        transpose_tile(dkt_tile, kBlockK, d, cols, staging, d);
+        transpose_tile(dkt_tile, kKeyBlock, d, cols, staging, d);
         for (int64_t c = 0; c < cols; ++c) {
           store_row(staging + c * d, d, scale, task.grad_k + (key0 + c) * p.grad_k_strides.row);
         }
-        transpose_tile(dvt_tile, kBlockK, dv, cols, staging, dv);
+        transpose_tile(dvt_tile, kKeyBlock, dv, cols, staging, dv);
         for (int64_t c = 0; c < cols; ++c) {
           store_row(staging + c * dv, dv, 1.f, task.grad_v + (key0 + c) * p.grad_v_strides.row);
         }

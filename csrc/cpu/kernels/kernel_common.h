@@ -1,6 +1,6 @@
 #pragma once
-// Pieces shared by the CPU kernels: accumulation types, per-thread scratch, tile loads and
-// stores, the online-softmax step and the dtype switch.
+// Pieces shared by the CPU kernels: per-thread scratch, tile loads and stores, the
+// online-softmax step and the dtype switch. Accumulation types: mha_ext/accumulate_type.h.
 //
 // Included by an ISA translation unit after it defines CPU_CAPABILITY.
 #include <ATen/cpu/vec/functional.h>
@@ -22,22 +22,11 @@
 #include <vector>
 
 #include "blocking.h"
+#include "mha_ext/accumulate_type.h"
 #include "mha_ext/attention_params.h"
 
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
-
-template <typename scalar_t>
-struct AccumulateType {
-  using type = float;
-};
-template <>
-struct AccumulateType<double> {
-  using type = double;
-};
-
-constexpr int64_t kBlockQ = kQueryBlock;
-constexpr int64_t kBlockK = kKeyBlock;
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }

@@ -11,6 +11,13 @@
 // tasks for the threads, long contexts are split and the partial results merged by
 // logsumexp.
 //
+// paged_attention_kernel (at the end) runs in named steps: plan_paged_call and plan_task (the
+// tasks, and each task's work items: key tiles, and within a tile its kv heads), start_task
+// (q rows in, state cleared), then per work item the PrefetchSchedule's listing and requests,
+// score_pass (S, causal mask, online softmax) and value_pass (O += P V), finish_task (the
+// output, or a key split's partial output) and merge_split_outputs. Its tuning for each ISA
+// class is PagedKernelTraits.
+//
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
 
@@ -26,6 +33,216 @@
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
+// The ISA class of this build of the kernels (kernels_<isa>.cpp sets CPU_CAPABILITY). The paged
+// kernel is tuned per class, not per machine: each choice in PagedKernelTraits was measured on
+// one CPU of its class, named beside the numbers (AVX-512: AMD Zen 5 or an Intel Xeon; AVX2:
+// AMD Zen 1), and stands for the whole class until another CPU of it measures otherwise. The
+// portable build takes AVX2's choices without AVX2's instructions.
+enum class IsaClass { kPortable, kAvx2, kAvx512 };
+constexpr IsaClass kIsaClass =
+#if defined(CPU_CAPABILITY_AVX512)
+    IsaClass::kAvx512;
+#elif defined(CPU_CAPABILITY_AVX2)
+    IsaClass::kAvx2;
+#else
+    IsaClass::kPortable;
+#endif
+
+// The paged kernel's tuning for this build's ISA class and a cache of scalar_t, in one place.
+// Each choice says what it measured and with which benchmark:
+//  - paged_bench (benchmarks/cpp/paged_bench.cpp, built by CMakeLists.txt as
+//    build/cmake/paged_bench): paged_decode runs the kernel with the op's task plan on 8
+//    sequences of 4096 tokens, blocks of 16, head dim 128, the cache read from memory, e.g.
+//    32q/8kv fp32 (dtype:1 is bf16; OMP_NUM_THREADS=1 for one core):
+//   build/cmake/paged_bench --benchmark_filter='paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0'
+//    --shape=batch,heads,kv_heads,context,head_dim,dtype,block_size runs other shapes, e.g.
+//    --shape=1,32,8,256,128,0,16 (2 MiB of fp32 K/V) for a cache that stays in L2 or L3. The
+//    measurements "of the kernel called directly" or "of a harness" below were taken before
+//    paged_bench existed, by harnesses that ran this same call.
+//  - the suite: the op through Python, the decode of llama2-7b (32q/32kv), 32q/8kv and
+//    llama2-70b (64q/8kv) heads at batch 8, context 4096:
+//   python -m mha_ext.bench --suite paged_decode --dtype float32 bfloat16 --context 4096 --no-plots
+// "a -> b" reads: the other choice a, this one b. "Check:" names the command that measures
+// the choice again; "paged_bench F" stands for build/cmake/paged_bench --benchmark_filter=F.
+template <typename scalar_t>
+struct PagedKernelTraits {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+
+  // Vector registers that the register blocking below plans for.
+  static constexpr int kVectorRegisters = kIsaClass == IsaClass::kAvx512 ? 32 : 16;
+
+  // Tile rows up to which the kernel reads keys and values row by row straight from the cache
+  // (the direct path; blocking.h gives the measurement). One value for every ISA class: the
+  // task planner, which runs before the ISA dispatch, decides with it which tasks take all of
+  // a sequence's kv heads.
+  static constexpr int64_t kDirectRows = cpu::kDirectRows;
+
+  // Cached rows are requested this many positions before they are read. A sequence's blocks
+  // lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
+  // at every page boundary: without the requests, decode read a bf16 cache at 40% of the
+  // streaming bandwidth, most of the time spent waiting on loads that missed. Further ahead
+  // is worse: the next tile's 64 K and V rows requested during this tile's value pass (a line
+  // of each per slice step, none in the score loop) decoded fp32 32q/8kv at 9.5 GB/s against
+  // 14.5 on Zen 1. There the hint (t0, t1, nta)
+  // made no difference, so the requests likely all fill L1, which a tile's rows (64 KiB of
+  // fp32 at head dim 128) overflow. Measured on AVX2 (Zen 1) only; every class takes it.
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0'
+  static constexpr int64_t kPrefetchRows = 16;
+
+  // The direct path's value pass weights the tile rows in groups of at most this many, each
+  // group reading the values again (from L1); the score pass takes all rows at once
+  // (score_tile). With 16 registers an fp32 (or fp64) cache goes 4 rows at a time, whose
+  // accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
+  // each further read of a value converts it again (1.6x slower split, Zen 1), except where
+  // that conversion is cheap (kWidenInPairs: value_group_rows). AVX-512's 32 registers take
+  // all rows. The 1.6x is from AVX2 (Zen 1); the rule is per class (16 or 32 registers).
+  // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/' (8 rows)
+  static constexpr int kValueRowGroup =
+      kIsaClass == IsaClass::kAvx512 || !std::is_same_v<scalar_t, acc_t> ? int(kDirectRows) : 4;
+
+  // Rows per group of the value pass for a tile of `rows` rows: kValueRowGroup's, but 8 rows
+  // of a cache widened in pairs go as two groups of 4, whose accumulators fit the registers,
+  // as reading each value twice costs only a load and two bit operations more (64q/8kv bf16
+  // decode on Zen 1, medians of 8 rounds on two cores: 6.34 against 6.08 GB/s; 5 to 7 rows
+  // lost 3-9% split). AVX2 class (where kWidenInPairs holds).
+  // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/.*dtype:1'
+  static constexpr int value_group_rows(int rows) {
+    return kWidenInPairs && rows == 8 ? 4 : std::min(rows, kValueRowGroup);
+  }
+
+  // Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
+  // spread over the pass's steps, while its score pass requests only its own value rows. The
+  // other plan requests both in the score pass (a key row kPrefetchRows ahead and the value
+  // row of the key being scored) and leaves memory idle while the values pass, a third of an
+  // fp32 4-row tile's time on Zen 1.
+  // AVX2 class (Zen 1): fp32 tiles of up to 4 rows. 8 sequences, context 4096, fp32, two
+  // threads, rounds alternating old and new builds; with score_keys' two chains, without
+  // which this plan gained nothing: through the op (the suite's llama2-7b decode, one head
+  // per kv head) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the
+  // noise); a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against
+  // 15.3-16.0.
+  // 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
+  // by their arithmetic and lost to the value pass's extra work.
+  // AVX-512 class (Zen 5): every tile of 2 or more rows, with kValuesRequestedTileAhead: fp32
+  // 32q/8kv from memory on one core, medians of 15 rounds alternating the builds of a
+  // standalone harness, 13.2 -> 14.6 GB/s; through the op (the suite) on two cores
+  // 21.5-27.1 -> 23.2-33.5 GB/s in alternating runs (the VM's streaming rate moved between 31
+  // and 48 GB/s meanwhile).
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:(8|32)/.*dtype:0' (also with
+  // OMP_NUM_THREADS=1) and the suite with --dtype float32
+  static constexpr bool value_pass_requests_keys(int64_t rows) {
+    if constexpr (kIsaClass == IsaClass::kAvx512) {
+      return rows > 1;
+    } else {
+      return sizeof(scalar_t) == 4 && rows <= kValueRowGroup;
+    }
+  }
+
+  // Whether, where the value pass requests the next tile's keys, the score pass requests the
+  // next tile's value rows too (the tile's own were requested a tile earlier, the first
+  // tile's up front) rather than its own: every request then has a whole tile's work before
+  // its use, and the two passes request alike. With AVX-512's faster score passes (bf16 dot
+  // products, 16 sums per reduction) requests for a tile's own values came too close to their
+  // use: bf16 32q/8kv from memory on two cores, harness medians of 11 rounds, 20.6 -> 23.5
+  // GB/s; fp32 22.7 either way. AVX-512 class (Zen 5); not measured on AVX2, which keeps
+  // requesting its own.
+  // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/'
+  static constexpr bool kValuesRequestedTileAhead = kIsaClass == IsaClass::kAvx512;
+
+  // Whether the direct path widens a cache's rows to fp32 16 elements at a time
+  // (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
+  // (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and
+  // shifting; one 32-byte load and two bit operations give 16, out of order (the even
+  // elements, then the odd). The tile's q rows and O rows keep each whole group of 16
+  // elements in that order (reorder_groups_of_16): a dot product or an elementwise sum takes
+  // its terms in any order. Measured on Zen 1 (the kernel called directly, 8 sequences x
+  // context 4096, a bf16 decode being bound by its arithmetic there): on
+  // one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows,
+  // whose accumulators leave no room for a second chain); on two, medians of 10 rounds
+  // alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9 and 5.77 -> 6.02. AVX2 class; on the
+  // AVX-512 Xeon the same measured no faster, and AVX-512 leaves it out.
+  // Check: MHA_EXT_CPU_ISA=avx2 paged_bench 'paged_decode/batch:8/.*dtype:1' (also with
+  // OMP_NUM_THREADS=1)
+  static constexpr bool kWidenInPairs =
+      kIsaClass == IsaClass::kAvx2 && std::is_same_v<scalar_t, c10::BFloat16>;
+
+  // Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
+  // (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
+  // instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
+  // conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
+  // product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
+  // 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to
+  // bf16. AVX-512 class where the CPU has AVX512-BF16 (Zen 5; on the Xeon the instruction
+  // ran at half its FMA rate and gained nothing).
+  // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,1024,128,1,16
+  // --shape=1,64,8,1024,128,1,16 (4 MiB of bf16 K/V)
+  static constexpr bool kScoreByBf16Dots =
+      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
+
+  // Keys scored together by the direct path for `rows` rows. AVX-512 class (Zen 5): enough
+  // that their rows x keys dot products share one reduction tree: 16 for 2, 4 or 8 rows
+  // (transposed_sums16, one vector of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s
+  // against 8 sums through horizontal_sums, 4 rows unchanged), at most 8 otherwise, and 8
+  // keys for one row (16 decoded llama2-7b's heads 5-10% slower from memory). AVX2 class
+  // (Zen 1): one, as more accumulators and keys would not fit 16 registers (and two keys of
+  // an fp32 cache at a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20%
+  // slower from memory, with the row requests before each step or spread through its loop
+  // alike).
+  // Check: paged_bench 'paged_decode/batch:8/' (from memory) and OMP_NUM_THREADS=1
+  // build/cmake/paged_bench --shape=1,64,8,128,128,0,16 (8 rows, 1 MiB of fp32 K/V)
+  static constexpr int keys_per_step(int rows) {
+    if constexpr (kIsaClass == IsaClass::kAvx512) {
+      return rows > 1 && 16 % rows == 0 ? 16 / rows : rows <= 8 ? 8 / rows : 1;
+    } else {
+      return 1;
+    }
+  }
+
+  // Vectors per score step of `keys` keys: two for one key of an fp32 cache or of a bf16
+  // cache widened in pairs (kWidenInPairs), where q's rows hold each whole group of 16
+  // elements in the pairs' order.
+  static constexpr int score_step_vectors(int keys) {
+    return keys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs) ? 2 : 1;
+  }
+
+  // Accumulator chains per dot product of `rows` rows: one key's rows FMAs per vector are too
+  // few to cover the FMA latency, so a step's two vectors go to two chains where their
+  // accumulators fit the registers beside the two key vectors and a q vector (not for 7 or 8
+  // rows on AVX2). On Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against
+  // 10.2 GB/s on one core); from memory it
+  // pays only where the value pass requests the keys (value_pass_requests_keys), as a shorter
+  // score pass that requests them all left more of the tile's time to the value pass without
+  // reads (13.0 against 14.3 GB/s). Measured on AVX2 (Zen 1); AVX-512's steps of one key
+  // (odd row counts) follow the same rule.
+  // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,256,128,0,16 (cache)
+  // and paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0' (memory)
+  static constexpr int score_chains(int rows, int step_vectors) {
+    return step_vectors == 2 && 2 * rows + 3 <= kVectorRegisters ? 2 : 1;
+  }
+
+  // Whether score_tile spreads its row requests through the score loop of a step of `keys`
+  // keys, a line of each row per 64 bytes of key, instead of requesting both rows before the
+  // step. Measured on AVX2 (Zen 1): an fp32 key's 16 requests at once decoded 32q/8kv at
+  // 12.1 GB/s, spread out at 15.0 (llama2-70b heads 10.2 -> 10.6); a bf16 key's 8 requests
+  // lost 3% spread out. AVX2 class; not measured on AVX-512, whose steps score several keys.
+  // Check: MHA_EXT_CPU_ISA=avx2 paged_bench 'paged_decode/batch:8/heads:(32|64)/kv_heads:8/'
+  static constexpr bool request_rows_in_score_loop(int keys) {
+    return kIsaClass != IsaClass::kAvx512 && keys == 1 && sizeof(scalar_t) == 4;
+  }
+
+  // Vectors per O slice of the value pass for `rows` rows: 4 where the accumulators, value
+  // vectors and broadcast weight all fit the vector registers, else 2. On AVX2 (Zen 1), 4 rows
+  // x 4 vectors spilled four accumulators to the stack, loaded and stored for every key (2
+  // vectors: llama2-70b fp32 decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows not widened in
+  // pairs keep 2 vectors and a few spills: with 1, each FMA needs a broadcast weight of its
+  // own and the loads outnumber the FMAs (3% slower). The rule follows kVectorRegisters on
+  // every class.
+  // Check: paged_bench 'paged_decode/batch:8/heads:(32|64)/kv_heads:8/'
+  static constexpr int value_vectors(int rows) {
+    return rows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
+  }
+};
+
 // The cache rows of positions [first, first + count) of a sequence, for one kv head: rows[i]
 // holds position first + i. The block table is looked up once per block, not per row: the
 // 64-bit divisions that locate a position (block_size is known only at run time), four per
@@ -34,22 +251,12 @@ template <typename scalar_t>
 void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
                 int64_t block_size, int64_t kv_head, int64_t first, int64_t count, const scalar_t** rows) {
   for (int64_t i = 0; i < count;) {
-    const CacheSlot slot = slot_location(slot_of_position(block_table, first + i, block_size), block_size);
-    const scalar_t* row = cache + slot.block * strides.block + kv_head * strides.head + slot.offset * strides.offset;
-    const int64_t in_block = std::min(block_size - slot.offset, count - i);
+    const CacheSlot location = position_location(block_table, first + i, block_size);
+    const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
+    const int64_t in_block = std::min(block_size - location.offset, count - i);
     for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
   }
 }
-
-// Cached rows are requested this many positions before they are read. A sequence's blocks
-// lie anywhere in the cache and hold a few KiB per head, and the hardware prefetchers stop
-// at every page boundary: without the requests, decode read a bf16 cache at 40% of the
-// streaming bandwidth, most of the time spent waiting on loads that missed. Further ahead
-// is worse: the next tile's 64 K and V rows requested during this tile's value pass (a line
-// of each per slice step, none in the score loop) decoded fp32 32q/8kv at 9.5 GB/s against
-// 14.5 on Zen 1. There the hint (t0, t1, nta) made no difference, so the requests likely
-// all fill L1, which a tile's rows (64 KiB of fp32 at head dim 128) overflow.
-constexpr int64_t kPrefetchRows = 16;
 
 // Requests the 64-byte line holding *address into the caches.
 C10_ALWAYS_INLINE void request_line(const void* address) {
@@ -87,6 +294,7 @@ struct WorkItem {
 // kPrefetchRows rows of the next tile, which the tile's loop requests ahead of use.
 template <typename scalar_t>
 struct TileRows {
+  static constexpr int64_t kPrefetchRows = PagedKernelTraits<scalar_t>::kPrefetchRows;
   const scalar_t* rows[kKeyBlock + kPrefetchRows];
   int64_t listed = 0;
 
@@ -107,58 +315,6 @@ void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim
   }
 }
 
-// The direct path's value pass weights the tile rows in groups of at most this many, each
-// group reading the values again (from L1); the score pass takes all rows at once
-// (score_tile). On AVX2 (16 registers) an fp32 cache goes 4 rows at a time, whose
-// accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
-// each further read of a value converts it again (1.6x slower split), except where that
-// conversion is cheap (kWidenInPairs: accumulate_values). AVX-512's 32 registers take all rows.
-template <typename scalar_t, typename acc_t>
-constexpr int kValueRowGroup =
-#if defined(CPU_CAPABILITY_AVX512)
-    kDirectRows;
-#else
-    std::is_same_v<scalar_t, acc_t> ? 4 : kDirectRows;
-#endif
-
-// Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
-// spread over the pass's steps, while its score pass requests only its own value rows. The
-// other plan requests both in the score pass (a key row kPrefetchRows ahead and the value row
-// of the key being scored) and leaves memory idle while the values pass, a third of an fp32
-// 4-row tile's time on Zen 1. Measured there (8 sequences, context 4096, fp32, two threads,
-// rounds alternating old and new builds; with score_keys' two chains, without which this
-// plan gained nothing): through the op, the benchmark's decode case, one head per kv head
-// (llama2-7b) median 19.4 against 16.9 GB/s, 32q/8kv 15.5 against 15.3 (within the noise);
-// a standalone harness of the kernel gave 17.8 against 16.0 and 16.0-16.5 against 15.3-16.0.
-// 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
-// by their arithmetic and lost to the value pass's extra work. On AVX-512 (Zen 5) every
-// tile of 2 or more rows takes this plan, with kValuesRequestedTileAhead: fp32 32q/8kv from
-// memory on one core, medians of 15 rounds alternating the builds of a standalone harness,
-// 13.2 -> 14.6 GB/s; through the op on two cores 21.5-27.1 -> 23.2-33.5 GB/s in alternating
-// runs (the VM's streaming rate moved between 31 and 48 GB/s meanwhile).
-template <typename scalar_t>
-constexpr bool value_pass_requests_keys(int64_t rows) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return rows > 1;
-#else
-  return sizeof(scalar_t) == 4 && rows <= kValueRowGroup<scalar_t, scalar_t>;
-#endif
-}
-
-// Whether, where the value pass requests the next tile's keys, the score pass requests the
-// next tile's value rows too (the tile's own were requested a tile earlier, the first
-// tile's up front) rather than its own: every request then has a whole tile's work before
-// its use, and the two passes request alike. With AVX-512's faster score passes (bf16 dot
-// products, 16 sums per reduction) requests for a tile's own values came too close to their
-// use: bf16 32q/8kv from memory on two cores, harness medians of 11 rounds, 20.6 -> 23.5
-// GB/s; fp32 22.7 either way. Not measured on AVX2, which keeps requesting its own.
-constexpr bool kValuesRequestedTileAhead =
-#if defined(CPU_CAPABILITY_AVX512)
-    true;
-#else
-    false;
-#endif
-
 // Rows whose lines a pass requests over `sweeps` sweeps through its keys: each sweep
 // requests its share of every row's lines, row c's at key c, so that each key costs the same
 // few requests and every line is asked for by the last sweep. The value pass requests the
@@ -178,31 +334,6 @@ struct SweepRequests {
     return {sweep * lines / sweeps * 64, (sweep + 1) * lines / sweeps * 64};
   }
 };
-
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kVectorRegisters = 32;
-#else
-constexpr int kVectorRegisters = 16;
-#endif
-
-// Whether the direct path widens a cache's rows to fp32 16 elements at a time
-// (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
-// (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and shifting;
-// one 32-byte load and two bit operations give 16, out of order (the even elements, then the
-// odd). The tile's q rows and O rows keep each whole group of 16 elements in that order
-// (reorder_groups_of_16): a dot product or an elementwise sum takes its terms in any order.
-// Measured on Zen 1 (the kernel called directly, 8 sequences x context 4096, a bf16 decode
-// being bound by its arithmetic there): on one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv
-// 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows, whose accumulators leave no room for a second
-// chain); on two, medians of 10 rounds alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9
-// and 5.77 -> 6.02.
-template <typename scalar_t>
-constexpr bool kWidenInPairs =
-#if defined(CPU_CAPABILITY_AVX2)
-    std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-    false;
-#endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 // src[0, 16) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
@@ -236,13 +367,13 @@ void reorder_groups_of_16(acc_t* row, int64_t dim, bool to_pairs) {
 }
 
 // src[0, 2 * vector width) as two fp32 vectors, first and second, for a two-vector step: in
-// natural order, or in widen_bf16_pairs' order where kWidenInPairs.
+// natural order, or in widen_bf16_pairs' order where PagedKernelTraits::kWidenInPairs.
 template <typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized<acc_t>& first,
                                         at::vec::Vectorized<acc_t>& second) {
   constexpr int64_t kWidth = at::vec::Vectorized<acc_t>::size();
 #if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (kWidenInPairs<scalar_t>) {
+  if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
     __m256 even, odd;
     widen_bf16_pairs(src, even, odd);
     first = even;
@@ -253,22 +384,6 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
   first = load_as<acc_t>(src, kWidth);
   second = load_as<acc_t>(src + kWidth, kWidth);
 }
-
-// Keys scored together by the direct path: on AVX-512, enough that their kRows x kKeys dot
-// products share one reduction tree: 16 for 2, 4 or 8 rows (transposed_sums16, one vector
-// of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s against 8 sums through
-// horizontal_sums, 4 rows unchanged), at most 8 otherwise, and 8 keys for one row (16
-// decoded llama2-7b's heads 5-10% slower from memory); elsewhere one, as more
-// accumulators and keys would not fit AVX2's 16 registers (and two keys of an fp32 cache at
-// a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20% slower from memory,
-// with the row requests before each step or spread through its loop alike).
-template <int kRows>
-constexpr int kKeysPerStep =
-#if defined(CPU_CAPABILITY_AVX512)
-    kRows > 1 && 16 % kRows == 0 ? 16 / kRows : kRows <= 8 ? 8 / kRows : 1;
-#else
-    1;
-#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 // acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
@@ -281,20 +396,6 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
 }
 #endif
 
-// Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
-// (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
-// instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
-// conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
-// product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
-// 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to bf16.
-template <typename scalar_t>
-constexpr bool kScoreByBf16Dots =
-#if defined(CPU_CAPABILITY_AVX512)
-    std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-    false;
-#endif
-
 // What a one-key score step requests while it walks its key row: nothing, the value row of
 // the key being scored, or that and the key row kPrefetchRows ahead (dim elements).
 enum class ScoreLoopRequests { kNone, kValue, kKeyAheadAndValue };
@@ -305,19 +406,6 @@ struct RowRequests {
   const scalar_t* value;
   int64_t value_dim;
 };
-
-// Whether score_tile spreads its row requests through the score loop, a line of each row
-// per 64 bytes of key, instead of requesting both rows before the step. Measured on AVX2
-// (Zen 1): an fp32 key's 16 requests at once decoded 32q/8kv at 12.1 GB/s, spread out at
-// 15.0 (llama2-70b heads 10.2 -> 10.6); a bf16 key's 8 requests lost 3% spread out. Not
-// measured on AVX-512, whose steps score several keys.
-template <typename scalar_t, int kKeys>
-constexpr bool kRequestRowsInScoreLoop =
-#if defined(CPU_CAPABILITY_AVX512)
-    false;
-#else
-    kKeys == 1 && sizeof(scalar_t) == 4;
-#endif
 
 // scores[r * ld_s + j] = scale x the horizontal sum of acc[j * kRows + r] for r < kRows,
 // j < kKeys.
@@ -373,9 +461,10 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
 template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim, acc_t scale,
                                   acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
+  using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
-    static_assert(kRequests == ScoreLoopRequests::kNone && kScoreByBf16Dots<scalar_t>, "bf16 dot products");
+    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots, "bf16 dot products");
     at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
     unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
     // 32 elements from d on, the lanes outside `lanes` zero (and not read).
@@ -398,20 +487,10 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 #endif
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
-  // Vectors per step: two for one key of an fp32 cache or of a bf16 cache widened in pairs
-  // (kWidenInPairs), where q's rows hold each whole group of 16 elements in the pairs' order.
-  constexpr int kStepVectors =
-      kKeys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs<scalar_t>) ? 2 : 1;
-  // Accumulator chains per dot product: one key's kRows FMAs per vector are too few to cover
-  // the FMA latency, so a step's two vectors go to two chains where their accumulators fit
-  // the registers beside the two key vectors and a q vector (not for 7 or 8 rows). On
-  // Zen 1 that scores fp32 faster from cache (32q/8kv decode 11.4 against 10.2 GB/s on one
-  // core); from memory it pays only where the value pass requests the keys
-  // (value_pass_requests_keys), as a shorter score pass that requests them all left more of
-  // the tile's time to the value pass without reads (13.0 against 14.3 GB/s). Each vector's
-  // loads come before its FMAs, row by row alternating chains: chain by chain, the same plan
-  // read 15.2 against 16.5.
-  constexpr int kChains = kStepVectors == 2 && 2 * kRows + 3 <= kVectorRegisters ? 2 : 1;
+  constexpr int kStepVectors = Traits::score_step_vectors(kKeys);
+  // Each vector's loads come before its FMAs, row by row alternating chains: chain by chain,
+  // the same plan read 15.2 against 16.5 GB/s (Zen 1, 32q/8kv fp32 decode from memory).
+  constexpr int kChains = Traits::score_chains(kRows, kStepVectors);
   Vec acc[kChains][kKeys * kRows];  // acc[chain][j * kRows + r]: part of q[r] . keys[j]
   unrolled<kChains * kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     acc[i / (kKeys * kRows)][i % (kKeys * kRows)] = Vec(acc_t(0));
@@ -500,9 +579,10 @@ template <int kRows, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
                 const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim, int64_t dim_v,
                 acc_t* s_tile, int64_t ld_s) {
+  using Traits = PagedKernelTraits<scalar_t>;
   auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-    constexpr bool kInLoop = kRequestRowsInScoreLoop<scalar_t, kKeys>;
-    constexpr bool kKeysAhead = !value_pass_requests_keys<scalar_t>(kRows);
+    constexpr bool kInLoop = Traits::request_rows_in_score_loop(kKeys);
+    constexpr bool kKeysAhead = !Traits::value_pass_requests_keys(kRows);
     constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
                                             : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
                                                          : ScoreLoopRequests::kValue;
@@ -517,7 +597,7 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
     }
     score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s, requests);
   };
-  constexpr int kKeys = kKeysPerStep<kRows>;
+  constexpr int kKeys = Traits::keys_per_step(kRows);
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) score(std::integral_constant<int, kKeys>{}, c);
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
@@ -548,7 +628,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
       if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
     }
     Vec v[kVectors];
-    if constexpr (kWidenInPairs<scalar_t>) {
+    if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
       static_assert(kVectors % 2 == 0, "pairs of vectors");
       unrolled<kVectors / 2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         const scalar_t* pair = value_rows[c] + d0 + 2 * j * kWidth;
@@ -577,15 +657,6 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
 }
 
-// Vectors per O slice for kRows rows: 4 where the accumulators, value vectors and broadcast
-// weight all fit the vector registers, else 2. On AVX2, 4 rows x 4 vectors spilled four
-// accumulators to the stack, loaded and stored for every key (2 vectors: llama2-70b fp32
-// decode 1.06x, 32q/8kv bf16 1.05x). 8 bf16 rows not widened in pairs keep 2 vectors and a
-// few spills: with 1, each FMA needs a broadcast weight of its own and the loads outnumber
-// the FMAs (3% slower).
-template <int kRows>
-constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
-
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
 // place (score_tile requested them), a group of rows and a slice of O at a time. Where the
 // value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
@@ -593,15 +664,11 @@ constexpr int kValueVectors = kRows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o, const SweepRequests<scalar_t>& next_keys) {
-  // Rows per group: kValueRowGroup's, but 8 rows of a cache widened in pairs go as two groups of
-  // 4, whose accumulators fit the registers, as reading each value twice costs only a load
-  // and two bit operations more (64q/8kv bf16 decode on Zen 1, medians of 8 rounds on two
-  // cores: 6.34 against 6.08 GB/s; 5 to 7 rows lost 3-9% split).
-  constexpr int kGroupRows =
-      kWidenInPairs<scalar_t> && kRows == 8 ? 4 : std::min(kRows, kValueRowGroup<scalar_t, acc_t>);
-  constexpr int kVectors = kValueVectors<kGroupRows>;
+  using Traits = PagedKernelTraits<scalar_t>;
+  constexpr int kGroupRows = Traits::value_group_rows(kRows);
+  constexpr int kVectors = Traits::value_vectors(kGroupRows);
   constexpr int kGroups = ceil_div(kRows, kGroupRows);
-  constexpr bool kRequestAhead = value_pass_requests_keys<scalar_t>(kRows);
+  constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
   const int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
   auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -642,244 +709,427 @@ struct HeadState {
   acc_t* row_sum;       // [rows]
 };
 
+// How a call divides its work into tasks, and the scratch each thread needs for them. A task
+// is (sequence, group of kv heads, chunk of queries, key split), numbered in that order, the
+// split fastest; the op's planner (plan_paged_tasks, blocking.h) chose the kv heads per task
+// and the splits.
+struct PagedCallPlan {
+  int64_t group = 0;             // query heads per kv head
+  int64_t queries_per_tile = 0;  // queries of one sequence a task takes, at most
+  int64_t tile_rows = 0;         // rows of the largest task's tile: queries x group
+  int64_t q_chunks = 0;          // query chunks of the sequence with the most queries
+  int64_t splits = 0;            // key splits of each chunk
+  int64_t heads_per_task = 0;    // kv heads a task takes together
+  int64_t head_groups = 0;       // tasks that divide a sequence's kv heads
+  int64_t ld_d = 0;              // row stride of the scratch's q rows
+  int64_t ld_dv = 0;             // row stride of its O rows
+  int64_t head_state_size = 0;   // scratch elements of one kv head's HeadState
+  int64_t scratch_size = 0;      // scratch elements of one thread
+  int64_t tasks = 0;
+};
+
+// The call's tasks and scratch sizes, from the params the op's planner filled.
+template <typename acc_t>
+PagedCallPlan plan_paged_call(const PagedAttentionParams& p) {
+  const int64_t width = at::vec::Vectorized<acc_t>::size();
+  PagedCallPlan plan;
+  plan.group = p.num_heads / p.num_kv_heads;
+  plan.queries_per_tile = paged_queries_per_tile(p);
+  plan.tile_rows = paged_task_rows(p);
+  plan.q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), plan.queries_per_tile);
+  plan.splits = p.num_kv_splits;
+  plan.heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
+  plan.head_groups = ceil_div(p.num_kv_heads, plan.heads_per_task);
+  plan.ld_d = round_up(p.head_dim, width);
+  plan.ld_dv = round_up(p.head_dim_v, width);
+  plan.head_state_size =
+      2 * plan.tile_rows * plan.ld_d + plan.tile_rows * plan.ld_dv + 2 * plan.tile_rows;
+  plan.scratch_size = plan.heads_per_task * plan.head_state_size + p.head_dim * kKeyBlock +
+                      kKeyBlock * plan.ld_dv + plan.tile_rows * kKeyBlock + kKeyBlock * p.head_dim;
+  plan.tasks = p.batch * plan.head_groups * plan.q_chunks * plan.splits;
+  return plan;
+}
+
+// One thread's scratch for its tasks, laid out by PagedCallPlan: the HeadState of each of a
+// task's kv heads, then the score tile and the gathered path's tiles. thread_scratch keeps it
+// between calls.
+template <typename scalar_t, typename acc_t>
+struct PagedScratch {
+  const PagedCallPlan& plan;
+  acc_t* head_states;  // [heads_per_task, head_state_size]
+  acc_t* kt_tile;      // [head_dim, kKeyBlock]
+  acc_t* v_tile;       // [kKeyBlock, ld_dv]
+  acc_t* s_tile;       // [tile_rows, kKeyBlock]
+  acc_t* staging;      // [kKeyBlock, head_dim]
+
+  PagedScratch(const PagedCallPlan& call, int64_t head_dim)
+      : plan(call),
+        head_states(thread_scratch<acc_t>(call.scratch_size)),
+        kt_tile(head_states + call.heads_per_task * call.head_state_size),
+        v_tile(kt_tile + head_dim * kKeyBlock),
+        s_tile(v_tile + kKeyBlock * call.ld_dv),
+        staging(s_tile + call.tile_rows * kKeyBlock) {}
+
+  // The state of the task's i-th kv head.
+  HeadState<scalar_t, acc_t> head(int64_t i) const {
+    acc_t* base = head_states + i * plan.head_state_size;
+    HeadState<scalar_t, acc_t> state;
+    state.q = base;
+    state.q_raw = reinterpret_cast<scalar_t*>(base + plan.tile_rows * plan.ld_d);
+    state.o = base + 2 * plan.tile_rows * plan.ld_d;
+    state.row_max_log2 = state.o + plan.tile_rows * plan.ld_dv;
+    state.row_sum = state.row_max_log2 + plan.tile_rows;
+    return state;
+  }
+};
+
+// One task's share of the call (plan_task): the tile rows of a chunk of one sequence's
+// queries, for its kv heads [head_begin, head_end), over the keys of its split. Row r of a
+// kv head's tile is query first_query + r / group of the sequence, query head
+// kv_head * group + r % group.
+struct PagedTask {
+  int64_t split = 0;
+  int64_t head_begin = 0;
+  int64_t head_end = 0;
+  int64_t q_begin = 0;         // q's row of the sequence's first query
+  int64_t first_query = 0;     // the chunk's first query, counted within the sequence
+  int64_t rows = 0;            // the chunk's queries x group; 0 past the sequence's queries
+  int64_t seq_len = 0;         // the sequence's cached tokens
+  int64_t num_queries = 0;     // the sequence's queries, its last tokens
+  KeyRange keys{0, 0};         // the split's keys
+  const int32_t* block_table = nullptr;
+  bool direct = false;          // rows <= kDirectRows: cached K and V rows read in place
+  bool widen_in_pairs = false;  // the direct path's q and O rows in widen_bf16_pairs' order
+
+  // The task's work items go through its key tiles in order, and within a tile through its
+  // kv heads (plan_paged_tasks).
+  WorkItem first_item() const {
+    return {keys.begin, std::min(kKeyBlock, keys.end - keys.begin), head_begin};
+  }
+
+  // The item after `item`; cols 0 after the last.
+  WorkItem following(const WorkItem& item) const {
+    if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
+    const int64_t key0 = item.key0 + kKeyBlock;
+    return WorkItem{key0, std::clamp<int64_t>(keys.end - key0, 0, kKeyBlock), head_begin};
+  }
+};
+
+// Task number `index` of the call (PagedCallPlan): its sequence, kv heads, queries and keys.
 template <typename scalar_t>
-void paged_attention_kernel(const PagedAttentionParams& p) {
-  using acc_t = typename AccumulateType<scalar_t>::type;
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t kBlockK = kKeyBlock;
+PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, int64_t index) {
+  const int64_t seq = index / (plan.head_groups * plan.q_chunks * plan.splits);
+  const int64_t head_group = index / (plan.q_chunks * plan.splits) % plan.head_groups;
+  const int64_t chunk = index / plan.splits % plan.q_chunks;
+  PagedTask task;
+  task.split = index % plan.splits;
+  task.head_begin = head_group * plan.heads_per_task;
+  task.head_end = std::min(task.head_begin + plan.heads_per_task, p.num_kv_heads);
+  task.q_begin = p.cu_seqlens_q[seq];
+  task.num_queries = p.cu_seqlens_q[seq + 1] - task.q_begin;
+  task.first_query = chunk * plan.queries_per_tile;
+  if (task.first_query >= task.num_queries) return task;
+  const int64_t queries = std::min(plan.queries_per_tile, task.num_queries - task.first_query);
+  task.rows = queries * plan.group;
+  task.seq_len = p.seq_lens[seq];
+  const int64_t last_query = task.first_query + queries - 1;
+  const int64_t keys = paged_keys_seen(task.seq_len, task.num_queries, last_query);
+  task.keys = split_key_range(keys, task.split, plan.splits, kKeyBlock);
+  task.block_table = p.block_tables + seq * p.block_table_stride;
+  task.direct = task.rows <= kDirectRows;
+  task.widen_in_pairs = task.direct && PagedKernelTraits<scalar_t>::kWidenInPairs;
+  return task;
+}
+
+// Loads each of the task's kv heads' q rows into its state, pre-scaled (in bf16 as given for
+// kScoreByBf16Dots; in widen_bf16_pairs' order where the task widens in pairs), and clears
+// the heads' outputs and softmax states.
+template <typename scalar_t, typename acc_t>
+void start_task(const PagedAttentionParams& p, const PagedTask& task,
+                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t queries_per_tile = paged_queries_per_tile(p);
-  const int64_t tile_rows = paged_task_rows(p);
-  const int64_t q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), queries_per_tile);
-  const int64_t splits = p.num_kv_splits;
-  const int64_t heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
-  const int64_t head_groups = ceil_div(p.num_kv_heads, heads_per_task);
-  const int64_t ld_d = round_up(p.head_dim, Vec::size());
-  const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
-  const int64_t head_state_size = 2 * tile_rows * ld_d + tile_rows * ld_dv + 2 * tile_rows;
-  const int64_t scratch_size = heads_per_task * head_state_size + p.head_dim * kBlockK + kBlockK * ld_dv +
-                               tile_rows * kBlockK + kBlockK * p.head_dim;
-  const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
-  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
-#if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = kScoreByBf16Dots<scalar_t> && cpu_has_avx512_bf16();
-#else
-  constexpr bool bf16_dots = false;
-#endif
-
-  at::parallel_for(0, p.batch * head_groups * q_chunks * splits, 1, [&](int64_t begin, int64_t end) {
-    acc_t* head_states = thread_scratch<acc_t>(scratch_size);  // [heads_per_task, head_state_size]
-    acc_t* kt_tile = head_states + heads_per_task * head_state_size;  // [head_dim, kBlockK]
-    acc_t* v_tile = kt_tile + p.head_dim * kBlockK;                    // [kBlockK, ld_dv]
-    acc_t* s_tile = v_tile + kBlockK * ld_dv;                          // [tile_rows, kBlockK]
-    acc_t* staging = s_tile + tile_rows * kBlockK;                     // [kBlockK, head_dim]
-    auto head_state = [&](int64_t i) {  // the task's i-th head
-      acc_t* base = head_states + i * head_state_size;
-      HeadState<scalar_t, acc_t> state;
-      state.q = base;
-      state.q_raw = reinterpret_cast<scalar_t*>(base + tile_rows * ld_d);
-      state.o = base + 2 * tile_rows * ld_d;
-      state.row_max_log2 = state.o + tile_rows * ld_dv;
-      state.row_sum = state.row_max_log2 + tile_rows;
-      return state;
-    };
-
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / (head_groups * q_chunks * splits);
-      const int64_t head_group = task / (q_chunks * splits) % head_groups;
-      const int64_t chunk = task / splits % q_chunks;
-      const int64_t split = task % splits;
-      const int64_t head_begin = head_group * heads_per_task;
-      const int64_t head_end = std::min(head_begin + heads_per_task, p.num_kv_heads);
-      const int64_t q_begin = p.cu_seqlens_q[seq];
-      const int64_t num_queries = p.cu_seqlens_q[seq + 1] - q_begin;
-      const int64_t first_query = chunk * queries_per_tile;
-      if (first_query >= num_queries) continue;
-      const int64_t queries = std::min(queries_per_tile, num_queries - first_query);
-      const int64_t rows = queries * group;
-      const int64_t seq_len = p.seq_lens[seq];
-      // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
-      const int64_t first_position = seq_len - num_queries + first_query;
-      const int64_t keys = first_position + queries;  // keys the chunk's last query sees
-      const int64_t split_keys = round_up(ceil_div(keys, splits), kBlockK);
-      const int64_t key_begin = std::min(split * split_keys, keys);
-      const int64_t key_end = std::min(key_begin + split_keys, keys);
-      const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
-
-      const bool direct = rows <= kDirectRows;
-      // The direct path's q and O rows in widen_bf16_pairs' order (kWidenInPairs).
-      const bool widen_in_pairs = direct && kWidenInPairs<scalar_t>;
-      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
-        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
-        // Row r = (query first_query + r / group, head kv_head * group + r % group)
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
-                                  (q_begin + first_query + r / group) * p.q_strides.token +
-                                  (kv_head * group + r % group) * p.q_strides.head;
-          if (bf16_dots && direct) {
-            std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
-            continue;
-          }
-          load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
-          if (widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
-        }
-        std::fill(state.o, state.o + rows * ld_dv, acc_t(0));
-        std::fill(state.row_max_log2, state.row_max_log2 + rows, kMinusInf);
-        std::fill(state.row_sum, state.row_sum + rows, acc_t(0));
+  const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
+  for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+    const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
+    for (int64_t r = 0; r < task.rows; ++r) {
+      const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
+                              (task.q_begin + task.first_query + r / group) * p.q_strides.token +
+                              (kv_head * group + r % group) * p.q_strides.head;
+      if (bf16_dots && task.direct) {
+        std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
+        continue;
       }
+      load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
+      if (task.widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
+    }
+    std::fill(state.o, state.o + task.rows * ld_dv, acc_t(0));
+    std::fill(state.row_max_log2, state.row_max_log2 + task.rows, kMinusInf);
+    std::fill(state.row_sum, state.row_sum + task.rows, acc_t(0));
+  }
+}
 
-      // The task's items go through its key tiles in order, and within a tile through its
-      // heads (plan_paged_tasks): the item after `item`.
-      auto following = [&](const WorkItem& item) {
-        if (item.kv_head + 1 < head_end) return WorkItem{item.key0, item.cols, item.kv_head + 1};
-        const int64_t key0 = item.key0 + kBlockK;
-        return WorkItem{key0, std::clamp<int64_t>(key_end - key0, 0, kBlockK), head_begin};
-      };
-      // rows[0, item.cols) the item's cached rows, then, where `ahead`, up to kPrefetchRows
-      // rows of `next` for the loops that request rows that far ahead.
-      auto list_rows = [&](const scalar_t* cache, const CacheStrides& strides, const WorkItem& item,
-                           const WorkItem& next, bool ahead, TileRows<scalar_t>& listed) {
-        cache_rows(cache, strides, block_table, p.block_size, item.kv_head, item.key0, item.cols, listed.rows);
-        listed.listed = item.cols;
-        if (ahead) {
-          const int64_t extra = std::min(kPrefetchRows, next.cols);
-          cache_rows(cache, strides, block_table, p.block_size, next.kv_head, next.key0, extra,
-                     listed.rows + item.cols);
-          listed.listed += extra;
-        }
-      };
+// Which cached rows a task requests ahead of their use, and when. The direct path requests
+// each value row as its key is scored (score_tile), and each key row either kPrefetchRows
+// ahead in the score loop or, where value_pass_requests_keys, during the previous item's
+// value pass (spread over the pass, SweepRequests); there, with kValuesRequestedTileAhead,
+// the score pass requests the next item's value rows instead of its own. The gathered path
+// requests rows kPrefetchRows ahead as it copies them into its tiles (gather_tile_rows).
+// Per work item: start_item before the score pass, keys_for_value_pass before the value pass.
+template <typename scalar_t>
+struct PrefetchSchedule {
+  using Traits = PagedKernelTraits<scalar_t>;
+  const PagedAttentionParams& p;
+  const PagedTask& task;
+  const bool keys_in_value_pass;  // the value pass requests the next item's key rows
+  const bool values_ahead;        // and the score pass the next item's value rows
+  TileRows<scalar_t> k_rows;      // the item's cached key rows (and some of the next's)
+  TileRows<scalar_t> v_rows;      // the item's cached value rows (and some of the next's)
+  const scalar_t* next_values[kKeyBlock];  // the next item's value rows, where values_ahead
+  const scalar_t* const* value_requests = nullptr;  // the value rows the score pass requests
+  int64_t values_requested = 0;
 
-      const bool keys_in_value_pass = direct && value_pass_requests_keys<scalar_t>(rows);
-      TileRows<scalar_t> k_rows, v_rows;
-      const bool values_ahead = keys_in_value_pass && kValuesRequestedTileAhead;
-      const scalar_t* next_values[kBlockK];  // the next item's value rows, where values_ahead
-      const WorkItem first{key_begin, std::min(kBlockK, key_end - key_begin), head_begin};
-      for (WorkItem item = first; item.cols > 0;) {
-        const WorkItem next = following(item);
-        const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
-        const int64_t key0 = item.key0, cols = item.cols;
-        const HeadState<scalar_t, acc_t> state = head_state(item.kv_head - head_begin);
-        // Rows of the next item are listed only for the loops that request them kPrefetchRows
-        // ahead: the gathered path's copies, and the direct score pass's keys where the value
-        // pass does not request them. The direct path requests value rows as it scores keys.
-        // Past the first item, the value pass that requested the keys listed them in k_rows.
-        if (!keys_in_value_pass || is_first) {
-          list_rows(k_cache, p.k_cache_strides, item, next, !keys_in_value_pass, k_rows);
-        }
-        if (!values_ahead || is_first) {
-          list_rows(v_cache, p.v_cache_strides, item, next, !direct, v_rows);
-        } else {
-          std::copy(next_values, next_values + cols, v_rows.rows);
-          v_rows.listed = cols;
-        }
-        // The value rows the score pass requests: this item's, or the next item's.
-        const scalar_t* const* value_requests = v_rows.rows;
-        int64_t values_requested = cols;
-        if (values_ahead) {
-          values_requested = next.cols;
-          cache_rows(v_cache, p.v_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
-                     next_values);
-          value_requests = next_values;
-        }
-        if (keys_in_value_pass && is_first) {  // no earlier pass requested this item's rows
-          for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
-          if (values_ahead) {
-            for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
-          }
-        }
-        if (direct) {
-          // S = Q K^T from the cached key rows: no K^T tile to build.
-          dispatch_direct_rows(rows, [&](auto kRows) {
-            if constexpr (kScoreByBf16Dots<scalar_t>) {
-              if (bf16_dots) {
-                return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), k_rows, value_requests,
-                                         values_requested, cols, p.head_dim, p.head_dim_v, s_tile, kBlockK);
-              }
-            }
-            score_tile<kRows>(state.q, ld_d, acc_t(1), k_rows, value_requests, values_requested, cols, p.head_dim,
-                              p.head_dim_v, s_tile, kBlockK);
-          });
-        } else {
-          gather_tile_rows(k_rows, cols, p.head_dim, staging, p.head_dim);
-          transpose_tile(staging, p.head_dim, cols, p.head_dim, kt_tile, kBlockK);
-          // S = Q K^T   [rows, cols]
-          tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, kt_tile, kBlockK, s_tile, kBlockK);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          acc_t* s = s_tile + r * kBlockK;
-          const int64_t visible = std::clamp<int64_t>(first_position + r / group + 1 - key0, 0, cols);
-          std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
-        }
-        online_softmax_tile(s_tile, kBlockK, rows, cols, state.row_max_log2, state.row_sum, state.o, ld_dv,
-                            p.head_dim_v);
-        if (direct) {
-          SweepRequests<scalar_t> next_keys;
-          if (keys_in_value_pass && next.cols > 0) {  // this item's keys are scored: reuse k_rows
-            cache_rows(k_cache, p.k_cache_strides, block_table, p.block_size, next.kv_head, next.key0, next.cols,
-                       k_rows.rows);
-            k_rows.listed = next.cols;
-            next_keys = {k_rows.rows, k_rows.listed, p.head_dim};
-          }
-          // O += P V, the cached value rows read in place.
-          dispatch_direct_rows(rows, [&](auto kRows) {
-            accumulate_values<kRows>(s_tile, kBlockK, v_rows.rows, cols, p.head_dim_v, state.o, ld_dv, next_keys);
-          });
-        } else {
-          gather_tile_rows(v_rows, cols, p.head_dim_v, v_tile, ld_dv);
-          // O += P V   [rows, head_dim_v]
-          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kBlockK, v_tile, ld_dv, state.o, ld_dv);
-        }
-        item = next;
-      }
+  PrefetchSchedule(const PagedAttentionParams& params, const PagedTask& t)
+      : p(params),
+        task(t),
+        keys_in_value_pass(t.direct && Traits::value_pass_requests_keys(t.rows)),
+        values_ahead(keys_in_value_pass && Traits::kValuesRequestedTileAhead) {}
 
-      for (int64_t kv_head = head_begin; kv_head < head_end; ++kv_head) {
-        const HeadState<scalar_t, acc_t> state = head_state(kv_head - head_begin);
-        for (int64_t r = 0; r < rows; ++r) {
-          acc_t* o_row = state.o + r * ld_dv;
-          if (widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
-          const int64_t token = q_begin + first_query + r / group;
-          const int64_t head = kv_head * group + r % group;
-          const int64_t lse_index = token * p.num_heads + head;
-          if (splits == 1) {
-            scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
-                            head * p.out_strides.head;
-            static_cast<acc_t*>(p.lse)[lse_index] =
-                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
-          } else {
-            acc_t* partial = static_cast<acc_t*>(p.partial_out) +
-                             (split * p.total_q * p.num_heads + lse_index) * p.head_dim_v;
-            static_cast<acc_t*>(p.partial_lse)[split * p.total_q * p.num_heads + lse_index] =
-                finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
-          }
-        }
+  // rows[0, item.cols) the item's cached rows, then, where `ahead`, up to kPrefetchRows
+  // rows of `next` for the loops that request rows that far ahead.
+  void list_rows(const void* cache, const CacheStrides& strides, const WorkItem& item,
+                 const WorkItem& next, bool ahead, TileRows<scalar_t>& listed) const {
+    listed.listed = list_item_rows(cache, strides, item, item.cols, listed.rows);
+    if (ahead) {
+      const int64_t extra = std::min(Traits::kPrefetchRows, next.cols);
+      listed.listed += list_item_rows(cache, strides, next, extra, listed.rows + item.cols);
+    }
+  }
+
+  // rows[0, count) the cached rows of the item's first `count` keys; returns count.
+  int64_t list_item_rows(const void* cache, const CacheStrides& strides, const WorkItem& item,
+                         int64_t count, const scalar_t** rows) const {
+    cache_rows(static_cast<const scalar_t*>(cache), strides, task.block_table, p.block_size,
+               item.kv_head, item.key0, count, rows);
+    return count;
+  }
+
+  // Lists the item's rows and the value rows its score pass requests. Rows of the next item
+  // are listed only for the loops that request them kPrefetchRows ahead: the gathered path's
+  // copies, and the direct score pass's keys where the value pass does not request them.
+  // Past the first item, the value pass that requested the keys listed them in k_rows (and
+  // the score pass that requested the values in next_values). The first item's rows, which
+  // no earlier pass requested, are requested here.
+  void start_item(const WorkItem& item, const WorkItem& next, bool is_first) {
+    const int64_t cols = item.cols;
+    if (!keys_in_value_pass || is_first) {
+      list_rows(p.k_cache, p.k_cache_strides, item, next, !keys_in_value_pass, k_rows);
+    }
+    if (!values_ahead || is_first) {
+      list_rows(p.v_cache, p.v_cache_strides, item, next, !task.direct, v_rows);
+    } else {
+      std::copy(next_values, next_values + cols, v_rows.rows);
+      v_rows.listed = cols;
+    }
+    value_requests = v_rows.rows;
+    values_requested = cols;
+    if (values_ahead) {
+      values_requested = next.cols;
+      list_item_rows(p.v_cache, p.v_cache_strides, next, next.cols, next_values);
+      value_requests = next_values;
+    }
+    if (keys_in_value_pass && is_first) {
+      for (int64_t i = 0; i < cols; ++i) prefetch_row(k_rows.rows[i], p.head_dim);
+      if (values_ahead) {
+        for (int64_t i = 0; i < cols; ++i) prefetch_row(v_rows.rows[i], p.head_dim_v);
       }
     }
-  });
-  if (splits == 1) return;
+  }
 
-  // Fold the splits' partial results into the output, one (token, head) row at a time.
-  at::parallel_for(0, p.total_q * p.num_heads, 64, [&](int64_t begin, int64_t end) {
-    acc_t* merged = thread_scratch<acc_t>(p.head_dim_v);
+  // The next item's key rows for this item's value pass to request, listed in k_rows for
+  // the next item's score pass (this item's keys are scored by now); none where the value
+  // pass requests no keys.
+  SweepRequests<scalar_t> keys_for_value_pass(const WorkItem& next) {
+    SweepRequests<scalar_t> next_keys;
+    if (keys_in_value_pass && next.cols > 0) {
+      k_rows.listed = list_item_rows(p.k_cache, p.k_cache_strides, next, next.cols, k_rows.rows);
+      next_keys = {k_rows.rows, k_rows.listed, p.head_dim};
+    }
+    return next_keys;
+  }
+};
+
+// The score pass of one work item: S = Q K^T over the item's keys into s_tile [rows, cols],
+// the keys past each row's query hidden, then folded into the rows' online softmax, which
+// leaves P in s_tile and rescales O. The direct path scores the cached key rows in place
+// (score_tile, which also requests the schedule's value rows); the gathered path copies them
+// into a K^T tile for the GEMM.
+template <typename scalar_t, typename acc_t>
+void score_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
+                const HeadState<scalar_t, acc_t>& state, const PrefetchSchedule<scalar_t>& schedule,
+                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t rows = task.rows, cols = item.cols, ld_d = scratch.plan.ld_d;
+  acc_t* s_tile = scratch.s_tile;  // [rows, kKeyBlock]
+  if (task.direct) {
+    // S = Q K^T from the cached key rows: no K^T tile to build.
+    dispatch_direct_rows(rows, [&](auto kRows) {
+      if constexpr (PagedKernelTraits<scalar_t>::kScoreByBf16Dots) {
+        if (bf16_dots) {
+          return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), schedule.k_rows,
+                                   schedule.value_requests, schedule.values_requested, cols,
+                                   p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
+        }
+      }
+      score_tile<kRows>(state.q, ld_d, acc_t(1), schedule.k_rows, schedule.value_requests,
+                        schedule.values_requested, cols, p.head_dim, p.head_dim_v, s_tile,
+                        kKeyBlock);
+    });
+  } else {
+    gather_tile_rows(schedule.k_rows, cols, p.head_dim, scratch.staging, p.head_dim);
+    transpose_tile(scratch.staging, p.head_dim, cols, p.head_dim, scratch.kt_tile, kKeyBlock);
+    // S = Q K^T   [rows, cols]
+    tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, scratch.kt_tile, kKeyBlock, s_tile,
+                     kKeyBlock);
+  }
+  const int64_t group = scratch.plan.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* s = s_tile + r * kKeyBlock;
+    const int64_t query = task.first_query + r / group;
+    const int64_t seen = paged_keys_seen(task.seq_len, task.num_queries, query);
+    const int64_t visible = std::clamp<int64_t>(seen - item.key0, 0, cols);
+    std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
+  }
+  online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
+                      scratch.plan.ld_dv, p.head_dim_v);
+}
+
+// The value pass of one work item: O += P V over the item's keys (P in s_tile from the score
+// pass). The direct path reads the cached value rows in place (accumulate_values),
+// requesting next_keys' lines on the way; the gathered path copies them into a V tile for
+// the GEMM.
+template <typename scalar_t, typename acc_t>
+void value_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
+                const HeadState<scalar_t, acc_t>& state, const TileRows<scalar_t>& values,
+                const SweepRequests<scalar_t>& next_keys,
+                const PagedScratch<scalar_t, acc_t>& scratch) {
+  const int64_t cols = item.cols, ld_dv = scratch.plan.ld_dv;
+  if (task.direct) {
+    // O += P V, the cached value rows read in place.
+    dispatch_direct_rows(task.rows, [&](auto kRows) {
+      accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v,
+                               state.o, ld_dv, next_keys);
+    });
+  } else {
+    gather_tile_rows(values, cols, p.head_dim_v, scratch.v_tile, ld_dv);
+    // O += P V   [rows, head_dim_v]
+    tile_gemm<true>(task.rows, p.head_dim_v, cols, scratch.s_tile, kKeyBlock, scratch.v_tile,
+                    ld_dv, state.o, ld_dv);
+  }
+}
+
+// Runs a started task's work items in order, each a score pass and a value pass, with the
+// prefetch schedule's listing and requests before each.
+template <typename scalar_t, typename acc_t>
+void run_task_items(const PagedAttentionParams& p, const PagedTask& task,
+                    const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  PrefetchSchedule<scalar_t> schedule(p, task);
+  const WorkItem first = task.first_item();
+  for (WorkItem item = first; item.cols > 0;) {
+    const WorkItem next = task.following(item);
+    const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
+    const HeadState<scalar_t, acc_t> state = scratch.head(item.kv_head - task.head_begin);
+    schedule.start_item(item, next, is_first);
+    score_pass(p, task, item, state, schedule, scratch, bf16_dots);
+    value_pass(p, task, item, state, schedule.v_rows, schedule.keys_for_value_pass(next), scratch);
+    item = next;
+  }
+}
+
+// Writes a finished task's rows: with one key split, the normalised output and its
+// logsumexp; with several, this split's normalised partial output and logsumexp in the
+// workspaces, which merge_split_outputs folds together once every task is done.
+template <typename scalar_t, typename acc_t>
+void finish_task(const PagedAttentionParams& p, const PagedTask& task,
+                 const PagedScratch<scalar_t, acc_t>& scratch) {
+  const int64_t group = scratch.plan.group, splits = scratch.plan.splits;
+  for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+    const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
+    for (int64_t r = 0; r < task.rows; ++r) {
+      acc_t* o_row = state.o + r * scratch.plan.ld_dv;
+      if (task.widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
+      const int64_t token = task.q_begin + task.first_query + r / group;
+      const int64_t head = kv_head * group + r % group;
+      const int64_t lse_index = token * p.num_heads + head;
+      if (splits == 1) {
+        scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                        head * p.out_strides.head;
+        static_cast<acc_t*>(p.lse)[lse_index] =
+            finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
+      } else {
+        const int64_t partial_index = task.split * p.total_q * p.num_heads + lse_index;
+        acc_t* partial = static_cast<acc_t*>(p.partial_out) + partial_index * p.head_dim_v;
+        static_cast<acc_t*>(p.partial_lse)[partial_index] = finish_row(
+            o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
+      }
+    }
+  }
+}
+
+// Folds the key splits' partial results into the output, one (token, head) row at a time, in
+// split order: out and lse as one attention over all the keys (merge_softmax_states).
+template <typename scalar_t>
+void merge_split_outputs(const PagedAttentionParams& p) {
+  using acc_t = typename AccumulateType<scalar_t>::type;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);  // [splits, rows, dim_v]
+  const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);  // [splits, rows]
+  const int64_t rows = p.total_q * p.num_heads, dim_v = p.head_dim_v;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    acc_t* merged = thread_scratch<acc_t>(dim_v);
     for (int64_t index = begin; index < end; ++index) {
-      const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);
-      const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);
-      const int64_t stride = p.total_q * p.num_heads;
       acc_t lse = partial_lse[index];
-      std::copy(partial_out + index * p.head_dim_v, partial_out + (index + 1) * p.head_dim_v, merged);
-      for (int64_t split = 1; split < splits; ++split) {
-        const MergedState<acc_t> state = merge_softmax_states(lse, partial_lse[split * stride + index]);
-        const acc_t* other = partial_out + (split * stride + index) * p.head_dim_v;
-        at::vec::map2([&state](Vec a, Vec b) { return a * Vec(state.weight_a) + b * Vec(state.weight_b); },
-                      merged, merged, other, p.head_dim_v);
+      std::copy(partial_out + index * dim_v, partial_out + (index + 1) * dim_v, merged);
+      for (int64_t split = 1; split < p.num_kv_splits; ++split) {
+        const MergedState<acc_t> state =
+            merge_softmax_states(lse, partial_lse[split * rows + index]);
+        const acc_t* other = partial_out + (split * rows + index) * dim_v;
+        at::vec::map2(
+            [&state](Vec a, Vec b) { return a * Vec(state.weight_a) + b * Vec(state.weight_b); },
+            merged, merged, other, dim_v);
         lse = state.lse;
       }
       const int64_t token = index / p.num_heads, head = index % p.num_heads;
-      store_row(merged, p.head_dim_v, acc_t(1),
-                static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head);
+      store_row(merged, dim_v, acc_t(1),
+                static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
+                    head * p.out_strides.head);
       static_cast<acc_t*>(p.lse)[index] = lse;
     }
   });
+}
+
+// Paged attention in one ISA build for a cache of scalar_t: the tasks in parallel, each
+// started, run item by item and finished, then the key splits merged.
+template <typename scalar_t>
+void paged_attention_kernel(const PagedAttentionParams& p) {
+  using Traits = PagedKernelTraits<scalar_t>;
+  using acc_t = typename Traits::acc_t;
+  const PagedCallPlan plan = plan_paged_call<acc_t>(p);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool bf16_dots = Traits::kScoreByBf16Dots && cpu_has_avx512_bf16();
+#else
+  constexpr bool bf16_dots = false;
+#endif
+  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+    const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
+    for (int64_t index = begin; index < end; ++index) {
+      const PagedTask task = plan_task<scalar_t>(p, plan, index);
+      if (task.rows == 0) continue;
+      start_task(p, task, scratch, bf16_dots);
+      run_task_items(p, task, scratch, bf16_dots);
+      finish_task(p, task, scratch);
+    }
+  });
+  if (plan.splits > 1) merge_split_outputs<scalar_t>(p);
 }
 
 template <typename scalar_t>

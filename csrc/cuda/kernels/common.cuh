@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "mha_ext/accumulate_type.h"
 #include "mha_ext/attention_params.h"
 #include "mha_ext/attn_mask.h"
 #include "mha_ext/key_window.h"
@@ -19,16 +20,6 @@ namespace mha_ext::cuda {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-
-// fp32 accumulation for every element type except fp64.
-template <typename scalar_t>
-struct AccumulateType {
-  using type = float;
-};
-template <>
-struct AccumulateType<double> {
-  using type = double;
-};
 
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ double widen(double x) { return x; }

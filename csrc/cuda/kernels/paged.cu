@@ -40,9 +40,7 @@ __global__ void paged_kv_append_kernel(PagedAppendParams p) {
     const char* src = static_cast<const char*>(is_key ? p.key : p.value) +
                       (token * src_strides.token + head * src_strides.head) * p.element_size;
     char* dst = static_cast<char*>(is_key ? p.k_cache : p.v_cache) +
-                (location.block * dst_strides.block + head * dst_strides.head +
-                 location.offset * dst_strides.offset) *
-                    p.element_size;
+                cache_row_offset(dst_strides, location, head) * p.element_size;
     reinterpret_cast<unit_t*>(dst)[unit] = reinterpret_cast<const unit_t*>(src)[unit];
   }
 }
@@ -59,9 +57,9 @@ struct PagedRowTile {
 // table names a block outside the cache.
 __device__ __forceinline__ int64_t cached_row(const PagedAttentionParams& p, const int32_t* block_table,
                                               const CacheStrides& strides, int64_t kv_head, int64_t position) {
-  const int64_t block = block_table[position / p.block_size];
-  if (block < 0 || block >= p.num_blocks) return -1;
-  return block * strides.block + kv_head * strides.head + position % p.block_size * strides.offset;
+  const CacheSlot location = position_location(block_table, position, p.block_size);
+  if (location.block < 0 || location.block >= p.num_blocks) return -1;
+  return cache_row_offset(strides, location, kv_head);
 }
 
 template <typename scalar_t, int kDimChunks>
@@ -91,12 +89,11 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   const int64_t row_tiles = ceil_div<int64_t>(num_queries * group, kSimtRows);
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
     const PagedRowTile rows{tile * kSimtRows, min(static_cast<int64_t>(kSimtRows), num_queries * group - tile * kSimtRows)};
-    // Query i of the sequence is token seq_len - num_queries + i and sees keys up to itself.
+    // The keys the tile's last query sees (paged_keys_seen: queries are their sequence's last
+    // tokens), this block's split of them.
     const int64_t last_query = (rows.first + rows.rows - 1) / group;
-    const int64_t keys = max(seq_len - num_queries + last_query + 1, int64_t(0));
-    const int64_t split_keys = ceil_div<int64_t>(ceil_div<int64_t>(keys, splits), kSimtKeys) * kSimtKeys;
-    const int64_t key_begin = min(split * split_keys, keys);
-    const int64_t key_end = min(key_begin + split_keys, keys);
+    const KeyRange keys =
+        split_key_range(paged_keys_seen(seq_len, num_queries, last_query), split, splits, kSimtKeys);
 
     __syncthreads();  // the previous tile's q_tile is no longer read
     for (int64_t idx = threadIdx.x; idx < kSimtRows * p.head_dim; idx += blockDim.x) {
@@ -113,8 +110,8 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
 
     SimtRows<acc_t, kDimChunks> state;
     state.init();
-    for (int64_t key0 = key_begin; key0 < key_end; key0 += kSimtKeys) {
-      const int64_t tile_keys = min(static_cast<int64_t>(kSimtKeys), key_end - key0);
+    for (int64_t key0 = keys.begin; key0 < keys.end; key0 += kSimtKeys) {
+      const int64_t tile_keys = min(static_cast<int64_t>(kSimtKeys), keys.end - key0);
       __syncthreads();  // the previous K/V tile is no longer read (and q_tile is complete)
       if (threadIdx.x < kSimtKeys) {
         key_cached[threadIdx.x] = threadIdx.x < tile_keys &&
@@ -136,9 +133,9 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
 #pragma unroll
       for (int i = 0; i < kSimtRowsPerWarp; ++i) {
         const int64_t row = rows.first + first_row + i;
-        const int64_t position = seq_len - num_queries + row / group;
+        const int64_t keys_seen = paged_keys_seen(seq_len, num_queries, row / group);
         scores[i] = -INFINITY;
-        if (first_row + i < rows.rows && key_cached[lane] && key0 + lane <= position) {
+        if (first_row + i < rows.rows && key_cached[lane] && key0 + lane < keys_seen) {
           scores[i] = row_key_dot(q_tile + (first_row + i) * p.head_dim, k_tile, tiles.k_ld(), lane, p.head_dim);
         }
       }

@@ -1,9 +1,13 @@
 #pragma once
-// Paged-cache index math and the merge of partial softmax states, shared by every backend.
+// Paged-cache index math and the merge of partial softmax states, shared by every backend:
+// where a token's rows lie in the cache, which keys a paged query sees, which keys a split
+// of them takes.
 #include <cmath>
 #include <cstdint>
 
+#include "mha_ext/key_window.h"
 #include "mha_ext/macros.h"
+#include "mha_ext/paged_params.h"
 
 namespace mha_ext {
 
@@ -17,11 +21,45 @@ MHA_EXT_HOST_DEVICE CacheSlot slot_location(int64_t slot, int64_t block_size) {
   return {slot / block_size, slot % block_size};
 }
 
-// The slot holding token `position` of a sequence whose blocks are listed in block_table.
-MHA_EXT_HOST_DEVICE int64_t slot_of_position(const int32_t* block_table, int64_t position,
-                                            int64_t block_size) {
-  return static_cast<int64_t>(block_table[position / block_size]) * block_size +
-         position % block_size;
+// Where token `position` of a sequence lies, its blocks listed in block_table: the block as
+// the table names it (not checked against the cache) and the offset inside it.
+MHA_EXT_HOST_DEVICE CacheSlot position_location(const int32_t* block_table, int64_t position,
+                                                int64_t block_size) {
+  return {static_cast<int64_t>(block_table[position / block_size]), position % block_size};
+}
+
+// Element offset of kv head `head`'s row at `location` in a cache with these strides.
+MHA_EXT_HOST_DEVICE int64_t cache_row_offset(const CacheStrides& strides, CacheSlot location,
+                                            int64_t head) {
+  return location.block * strides.block + head * strides.head + location.offset * strides.offset;
+}
+
+// Paged attention's causal rule: a sequence's queries are its last tokens, so query i of its
+// num_queries (counted within the sequence) is token seq_len - num_queries + i, and sees the
+// keys up to itself (bottom-right alignment).
+MHA_EXT_HOST_DEVICE int64_t paged_query_position(int64_t seq_len, int64_t num_queries,
+                                                int64_t query) {
+  return seq_len - num_queries + query;
+}
+
+// The keys [0, paged_keys_seen) that query `query` sees. Never negative: the CUDA kernels
+// clamp seq_len to what a block-table row holds, which can leave a query before the first
+// token, seeing no key (the CPU op rejects such lengths).
+MHA_EXT_HOST_DEVICE int64_t paged_keys_seen(int64_t seq_len, int64_t num_queries, int64_t query) {
+  const int64_t keys = paged_query_position(seq_len, num_queries, query) + 1;
+  return keys > 0 ? keys : 0;
+}
+
+// Keys [begin, end) that split `split` of `splits` takes of keys [0, keys): equal shares
+// rounded up to whole tiles of tile_keys, so every split starts on a tile boundary and only
+// the last nonempty one ends inside a tile; splits past the keys are empty (begin = end =
+// keys). The splits together take every key once.
+MHA_EXT_HOST_DEVICE KeyRange split_key_range(int64_t keys, int64_t split, int64_t splits,
+                                             int64_t tile_keys) {
+  const int64_t share = ((keys + splits - 1) / splits + tile_keys - 1) / tile_keys * tile_keys;
+  const int64_t begin = split * share < keys ? split * share : keys;
+  const int64_t end = begin + share < keys ? begin + share : keys;
+  return {begin, end};
 }
 
 // Two attentions over disjoint key sets A and B, each normalised over its own keys, combine
