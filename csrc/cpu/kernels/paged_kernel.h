@@ -274,7 +274,7 @@ constexpr int kKeysPerStep =
 // acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
 // products, fp32 sums). Written as assembly so that this translation unit, which also runs
 // on AVX-512 CPUs without BF16, needs no target attribute; it runs only where
-// cpu_has_avx512_bf16().
+// avx512_bf16_enabled().
 C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -663,7 +663,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = kScoreByBf16Dots<scalar_t> && cpu_has_avx512_bf16();
+  const bool bf16_dots = kScoreByBf16Dots<scalar_t> && avx512_bf16_enabled();
 #else
   constexpr bool bf16_dots = false;
 #endif
