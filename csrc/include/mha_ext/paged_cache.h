@@ -13,6 +13,8 @@ struct CacheSlot {
   int64_t offset;
 };
 
+MHA_EXT_BEGIN_ISA_NAMESPACE
+
 MHA_EXT_HOST_DEVICE CacheSlot slot_location(int64_t slot, int64_t block_size) {
   return {slot / block_size, slot % block_size};
 }
@@ -23,6 +25,8 @@ MHA_EXT_HOST_DEVICE int64_t slot_of_position(const int32_t* block_table, int64_t
   return static_cast<int64_t>(block_table[position / block_size]) * block_size +
          position % block_size;
 }
+
+MHA_EXT_END_ISA_NAMESPACE
 
 // Two attentions over disjoint key sets A and B, each normalised over its own keys, combine
 // into the attention over A and B as out = weight_a * out_a + weight_b * out_b with
@@ -35,6 +39,8 @@ struct MergedState {
   T lse;
 };
 
+MHA_EXT_BEGIN_ISA_NAMESPACE
+
 template <typename T>
 MHA_EXT_HOST_DEVICE MergedState<T> merge_softmax_states(T lse_a, T lse_b) {
   const T max_lse = lse_a > lse_b ? lse_a : lse_b;
@@ -46,5 +52,7 @@ MHA_EXT_HOST_DEVICE MergedState<T> merge_softmax_states(T lse_a, T lse_b) {
   const T total = scaled_a + scaled_b;
   return {scaled_a / total, scaled_b / total, max_lse + std::log(total)};
 }
+
+MHA_EXT_END_ISA_NAMESPACE
 
 }  // namespace mha_ext
