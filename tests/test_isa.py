@@ -1,11 +1,14 @@
-"""Run-time CPU ISA dispatch: build_info, the MHA_EXT_CPU_ISA override, and the portable
-build passing the accuracy tests on a machine that has AVX-512."""
+"""Run-time CPU ISA dispatch: build_info, the MHA_EXT_CPU_ISA override, every ISA this CPU can
+run passing the accuracy tests, and the ISA builds keeping their instructions to themselves."""
 import os
+import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torch.utils import cpp_extension
 
 import mha_ext
 
@@ -13,6 +16,8 @@ import mha_ext
 pytestmark = pytest.mark.cpu_only
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 def run_python(code, isa):
@@ -24,7 +29,8 @@ def test_build_info_reports_what_was_compiled():
     info = mha_ext.build_info()
     assert info["version"] == mha_ext.__version__
     assert info["torch_version"] and info["torch_version"] in __import__("torch").__version__
-    assert "generic" in info["cpu_isas"]
+    expected = ["generic", "avx2", "avx512", "avx512_bf16"] if X86 else ["generic"]
+    assert info["cpu_isas"] == expected
     assert info["cpu_isa"] in info["cpu_isas"]
     assert isinstance(info["cuda_archs"], list)
     assert (info["cuda_version"] is None) == (info["cuda_archs"] == [])
@@ -43,20 +49,125 @@ def test_unknown_isa_is_a_clear_error():
     assert "MHA_EXT_CPU_ISA=sse9 is not one of the compiled ISAs (generic" in result.stderr
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+# Under each forced ISA: the forward of every dtype and masking at one odd shape (bf16 with an
+# even head dim: the brgemm forward at avx512_bf16), the backward at one small shape (bf16's on
+# brgemm there), the fp64 gradchecks, dropout's forward and gradients, and paged attention with
+# a bf16 cache, decode and up to 9 queries (the bf16 dot products of avx512_bf16's direct path).
+FORCED_ISA_SELECTION = " or ".join([
+    "active_isa_matches_environment",
+    "(forward_matches_reference and 113x203 and not h8kv8)",
+    "(backward_matches_reference and 17x17)",
+    "gradcheck",
+    "forward_and_gradients_use_the_regenerated_mask",
+    "(every_row_count_of_the_direct_path and bfloat16)",
+    "(decode_tasks_of_several_kv_heads and bfloat16 and 2-gqa)",
+    "paged_attention_dtypes",
+])
+# avx512 and avx512_bf16 are levels of one build that differ only in how they run bf16: forced
+# to the level the suite does not run on, the bf16 cases are the ones that take other paths.
+BUILD = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
 def test_forced_isa_passes_the_accuracy_tests(isa):
     if os.environ.get("MHA_EXT_CPU_ISA"):
         pytest.skip("already running under a forced ISA")
-    if isa not in mha_ext.build_info()["cpu_isas"]:
+    info = mha_ext.build_info()
+    if isa not in info["cpu_isas"]:
         pytest.skip(f"{isa} is not compiled on this platform")
+    if isa == info["cpu_isa"]:
+        pytest.skip(f"{isa} is this CPU's best ISA, which the whole suite runs on")
     probe = run_python("import mha_ext; mha_ext.build_info()", isa)
     if probe.returncode != 0:
         pytest.skip(f"this CPU cannot run {isa}: {probe.stderr.strip().splitlines()[-1]}")
-    selection = "active_isa_matches_environment or (forward and 113x203 and not h8kv8) or (backward and 17x17) or gradcheck"
+    selection = FORCED_ISA_SELECTION
+    if BUILD[isa] == BUILD[info["cpu_isa"]]:
+        selection = f"active_isa_matches_environment or (bfloat16 and ({FORCED_ISA_SELECTION}))"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
-         str(TESTS / "test_isa.py"), str(TESTS / "test_attention.py"), str(TESTS / "test_dropout.py")],
+         *(str(TESTS / name) for name in ("test_isa.py", "test_attention.py", "test_dropout.py",
+                                          "test_paged.py"))],
         env={**os.environ, "MHA_EXT_CPU_ISA": isa}, capture_output=True, text=True, cwd=TESTS,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "1 passed" not in result.stdout.splitlines()[-1]
+    passed = re.search(r"(\d+) passed", result.stdout.splitlines()[-1])
+    assert passed and int(passed.group(1)) > 1, result.stdout[-3000:]
+
+
+# ------------------------------------------------ what the ISA builds leave to the linker
+
+# An instruction beyond x86-64's baseline (SSE2): VEX / EVEX encoded (AVX, AVX2, FMA, F16C,
+# AVX-512 and its mask registers), or BMI / BMI2, LZCNT, POPCNT, MOVBE, CRC32 (SSE4.2).
+BEYOND_BASELINE = re.compile(
+    r"^(v(?!err$|erw$)\w+"
+    r"|k(and|andn|mov|not|or|ortest|shiftl|shiftr|test|unpck|xnor|xor|add)[bwdq]"
+    r"|andn|bextr|blsi|blsmsk|blsr|bzhi|lzcnt|tzcnt|mulx|pdep|pext|rorx|sarx|shlx|shrx"
+    r"|popcnt|movbe|crc32)$")
+PREFIXES = {"lock", "rep", "repz", "repe", "repnz", "repne", "bnd", "notrack", "data16", "addr32",
+            "cs", "ds", "es", "fs", "gs", "ss"}
+
+
+def compile_isa_build(source, obj):
+    """Starts compiling csrc/cpu/kernels/<source> as setup.py does, but at -Og.
+
+    -Og inlines the least of the levels that compile these kernels (at -O0 the intrinsics that
+    take immediates do not compile), so every inline function a build calls is left out of
+    line, as a debug build or another inliner would leave it: the check below sees every
+    function a build could hand the linker, not only those -O3 happened to keep (at -O3 the
+    shared headers' functions were all inlined, whatever namespace they were in).
+    """
+    includes = [ROOT / "csrc" / "include", ROOT / "csrc", *cpp_extension.include_paths()]
+    command = [os.environ.get("CXX", "c++"), "-Og", "-std=c++20", "-fPIC", "-fopenmp", "-w", "-c",
+               str(ROOT / "csrc" / "cpu" / "kernels" / source), "-o", str(obj)]
+    command += [f"-I{path}" for path in includes]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def output_of(command, stdin=None):
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, check=True).stdout
+
+
+def shared_code_beyond_baseline(obj, namespace):
+    """{function: its first instruction beyond the baseline} for the functions obj defines
+    with external linkage outside `namespace` (C++ names, demangled)."""
+    listing = output_of(["nm", "--defined-only", str(obj)])
+    # T: global code, W: weak (inline functions, templates), i: indirect functions.
+    code = [fields[2] for fields in map(str.split, listing.splitlines())
+            if len(fields) == 3 and fields[1] in "TWi"]
+    demangled = output_of(["c++filt"], "\n".join(code)).splitlines()
+    own = re.compile(rf"(^|[^\w]){namespace}::")
+    shared = {symbol: name for symbol, name in zip(code, demangled) if not own.search(name)}
+    found, function = {}, None
+    for line in output_of(["objdump", "-d", "--no-show-raw-insn", str(obj)]).splitlines():
+        header = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
+        if header:
+            function = header.group(1)
+            continue
+        if function not in shared or shared[function] in found or ":\t" not in line:
+            continue
+        words = line.split(":\t", 1)[1].split()
+        mnemonic = next((word for word in words if word not in PREFIXES), "")
+        if BEYOND_BASELINE.match(mnemonic):
+            found[shared[function]] = line.split(":\t", 1)[1].strip()
+    return found
+
+
+@pytest.mark.skipif(not X86, reason="the AVX2 and AVX-512 builds are compiled on x86-64 only")
+def test_isa_builds_share_only_code_every_cpu_runs(tmp_path):
+    # Where several kernel builds define the same function with external linkage, the linker
+    # keeps one copy for every caller: the portable build, the host code, a CPU without the
+    # instructions the copy was compiled with. So a build may define functions outside its
+    # namespace (AVX2 / AVX512: its kernels, at::vec's, the shared headers' mha_ext/macros.h
+    # puts there) only where they run on every x86-64 CPU, which is how baseline_headers.h
+    # compiles the standard library's and torch's.
+    builds = {"kernels_avx2.cpp": "AVX2", "kernels_avx512.cpp": "AVX512"}
+    compiles = {source: compile_isa_build(source, tmp_path / f"{source}.o") for source in builds}
+    for source, process in compiles.items():
+        output, _ = process.communicate()
+        assert process.returncode == 0, f"{source} did not compile:\n{output[-3000:]}"
+    problems = []
+    for source, namespace in builds.items():
+        found = shared_code_beyond_baseline(tmp_path / f"{source}.o", namespace)
+        problems += [f"{source}: {name} ({first})" for name, first in sorted(found.items())]
+    assert not problems, ("functions other builds could get, with instructions beyond x86-64's "
+                          "baseline:\n" + "\n".join(problems))

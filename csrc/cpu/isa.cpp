@@ -18,6 +18,8 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("bmi2");
+    case CpuIsa::kAvx512Bf16:
+      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
   }
   return false;
 #else
@@ -59,13 +61,14 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kGeneric: return "generic";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Bf16: return "avx512_bf16";
   }
   return "unknown";
 }
 
 std::vector<CpuIsa> compiled_cpu_isas() {
 #if defined(__x86_64__)
-  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512};
+  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16};
 #else
   return {CpuIsa::kGeneric};
 #endif

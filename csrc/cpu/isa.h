@@ -1,18 +1,24 @@
 #pragma once
-// Run-time choice among the CPU kernel builds (see kernels/kernels.h), as ATen
-// does: the best ISA this CPU supports, or the one named by MHA_EXT_CPU_ISA
-// (generic | avx2 | avx512), so that tests can force the portable build on any machine.
+// Run-time choice among the CPU code paths (see kernels/kernels.h), as ATen does: the best
+// ISA this CPU supports, or the one named by MHA_EXT_CPU_ISA (generic | avx2 | avx512 |
+// avx512_bf16), so that tests can force every path this CPU can run.
 #include <string>
 #include <vector>
 
 namespace mha_ext::cpu {
 
-enum class CpuIsa { kGeneric, kAvx2, kAvx512 };
+// Each ISA but the last is a kernel build of its own. kAvx512Bf16 is the AVX-512 build with
+// its AVX512-BF16 paths enabled (the bf16 attention on brgemm, the bf16 dot products of paged
+// decode): a run-time level of that build rather than a fourth build, because those paths
+// already carry their own target("avx512bf16") attributes (or assembly) and differ from the
+// rest of the build only by the check that selects them. A build of their own would compile
+// kernels_avx512.cpp, the largest kernel build, a second time for the same machine code.
+enum class CpuIsa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
 
-// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2" or "avx512".
+// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2", "avx512" or "avx512_bf16".
 const char* cpu_isa_name(CpuIsa isa);
 
-// The ISA builds compiled into this library, portable first.
+// The ISAs this library can run, each level after the ones it extends, portable first.
 std::vector<CpuIsa> compiled_cpu_isas();
 
 // Chosen on first use and fixed for the life of the process. Throws std::runtime_error

@@ -528,7 +528,7 @@ inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = 
   };
   // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and the
   // roundings to bf16 below use AVX512-BF16.
-  const bool forward_ok = cpu_has_avx512_bf16() && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
+  const bool forward_ok = avx512_bf16_enabled() && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
                           even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
                           even_rows(p.v, p.v_strides);
   // The forward packs K and V into the caller's workspace.

@@ -30,10 +30,13 @@ MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
 // portable build serves every CPU (kernels/append.cpp).
 void paged_kv_append(const PagedAppendParams& params);
 
-// Runs the build of kernel `name` that cpu/isa.h chose for this CPU.
+// Runs the build of kernel `name` that cpu/isa.h chose for this CPU. Both AVX-512 levels run
+// the AVX-512 build, which asks the active ISA whether its AVX512-BF16 paths may run
+// (avx512_bf16_enabled in kernel_common.h).
 #if defined(__x86_64__)
 #define MHA_EXT_RUN_CPU_KERNEL(name, params)                   \
   switch (::mha_ext::cpu::active_cpu_isa()) {                  \
+    case ::mha_ext::cpu::CpuIsa::kAvx512Bf16:                  \
     case ::mha_ext::cpu::CpuIsa::kAvx512:                      \
       ::mha_ext::cpu::AVX512::name(params);                    \
       break;                                                   \

@@ -1,6 +1,12 @@
-// AVX2 + FMA build of the CPU kernels, run only on CPUs that report those
-// features (cpu/isa.cpp). The target pragma stands in for per-file compiler flags, which
-// torch.utils.cpp_extension cannot give to one source of an extension.
+// AVX2 + FMA build of the CPU kernels, run only on CPUs that report those features
+// (cpu/isa.cpp).
+//
+// First what every build compiles for the baseline CPU (baseline_headers.h says why); after
+// the target pragma, only this build's own code, in its namespace (CPU_CAPABILITY).
+#include "baseline_headers.h"
+
+// The target pragma stands in for per-file compiler flags, which torch.utils.cpp_extension
+// cannot give to one source of an extension.
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c,bmi2"))), apply_to = function)
 #else

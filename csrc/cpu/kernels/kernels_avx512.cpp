@@ -1,6 +1,13 @@
-// AVX-512 (F, BW, VL, DQ) build of the CPU kernels, run only on CPUs that report
-// those features (cpu/isa.cpp). The target pragma stands in for per-file compiler flags,
-// which torch.utils.cpp_extension cannot give to one source of an extension.
+// AVX-512 (F, BW, VL, DQ) build of the CPU kernels, run only on CPUs that report those
+// features (cpu/isa.cpp), at two levels: avx512, and avx512_bf16, which also runs the paths
+// that need AVX512-BF16 (avx512_bf16_enabled in kernel_common.h).
+//
+// First what every build compiles for the baseline CPU (baseline_headers.h says why); after
+// the target pragma, only this build's own code, in its namespace (CPU_CAPABILITY).
+#include "baseline_headers.h"
+
+// The target pragma stands in for per-file compiler flags, which torch.utils.cpp_extension
+// cannot give to one source of an extension.
 #if defined(__clang__)
 #pragma clang attribute push(                                                       \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2"))), \

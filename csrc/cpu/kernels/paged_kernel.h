@@ -389,7 +389,7 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
 // acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
 // products, fp32 sums). Written as assembly so that this translation unit, which also runs
 // on AVX-512 CPUs without BF16, needs no target attribute; it runs only where
-// cpu_has_avx512_bf16().
+// avx512_bf16_enabled().
 C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -1115,7 +1115,7 @@ void paged_attention_kernel(const PagedAttentionParams& p) {
   using acc_t = typename Traits::acc_t;
   const PagedCallPlan plan = plan_paged_call<acc_t>(p);
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = Traits::kScoreByBf16Dots && cpu_has_avx512_bf16();
+  const bool bf16_dots = Traits::kScoreByBf16Dots && avx512_bf16_enabled();
 #else
   constexpr bool bf16_dots = false;
 #endif

@@ -14,6 +14,8 @@ struct KeyRange {
   int64_t end;
 };
 
+MHA_EXT_BEGIN_ISA_NAMESPACE
+
 MHA_EXT_HOST_DEVICE KeyRange visible_keys(const KeyWindow& w, int64_t row, int64_t seq_k) {
   const int64_t diagonal = row + w.diagonal_offset;
   int64_t begin = w.window_left < 0 ? 0 : diagonal - w.window_left;
@@ -34,5 +36,7 @@ MHA_EXT_HOST_DEVICE KeyRange rows_seeing_keys(const KeyWindow& w, int64_t key_be
   end = end > seq_q ? seq_q : end;
   return {begin, end};
 }
+
+MHA_EXT_END_ISA_NAMESPACE
 
 }  // namespace mha_ext

@@ -17,6 +17,8 @@ struct CacheSlot {
   int64_t offset;
 };
 
+MHA_EXT_BEGIN_ISA_NAMESPACE
+
 MHA_EXT_HOST_DEVICE CacheSlot slot_location(int64_t slot, int64_t block_size) {
   return {slot / block_size, slot % block_size};
 }
@@ -62,6 +64,8 @@ MHA_EXT_HOST_DEVICE KeyRange split_key_range(int64_t keys, int64_t split, int64_
   return {begin, end};
 }
 
+MHA_EXT_END_ISA_NAMESPACE
+
 // Two attentions over disjoint key sets A and B, each normalised over its own keys, combine
 // into the attention over A and B as out = weight_a * out_a + weight_b * out_b with
 // lse = log(exp(lse_a) + exp(lse_b)). An empty side (lse -inf) gets weight 0, and two
@@ -72,6 +76,8 @@ struct MergedState {
   T weight_b;
   T lse;
 };
+
+MHA_EXT_BEGIN_ISA_NAMESPACE
 
 template <typename T>
 MHA_EXT_HOST_DEVICE MergedState<T> merge_softmax_states(T lse_a, T lse_b) {
@@ -84,5 +90,7 @@ MHA_EXT_HOST_DEVICE MergedState<T> merge_softmax_states(T lse_a, T lse_b) {
   const T total = scaled_a + scaled_b;
   return {scaled_a / total, scaled_b / total, max_lse + std::log(total)};
 }
+
+MHA_EXT_END_ISA_NAMESPACE
 
 }  // namespace mha_ext

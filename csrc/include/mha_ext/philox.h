@@ -17,6 +17,8 @@ struct Philox4x32 {
   uint32_t word[4];
 };
 
+MHA_EXT_BEGIN_ISA_NAMESPACE
+
 MHA_EXT_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
                                              uint32_t c3, uint64_t key) {
   // Round multipliers and Weyl key increments from the paper.
@@ -62,5 +64,7 @@ MHA_EXT_HOST_DEVICE bool dropout_keeps(const DropoutParams& d, int64_t batch, in
                                        int64_t row, int64_t col) {
   return dropout_word_kept(d, dropout_bits(d.seed, batch, head, row, col).word[col & 3]);
 }
+
+MHA_EXT_END_ISA_NAMESPACE
 
 }  // namespace mha_ext
