@@ -46,13 +46,13 @@ Backend::AttentionForwardPlan Backend::plan(AttentionForwardParams& params,
   AttentionForwardPlan plan;
   if (params.dtype == DType::kBFloat16) {
     plan.kv_pairs = kept_workspace(Workspace::kKvPairs, {kv_pairs_size(params)}, like.options());
-    params.kv_pairs = plan.kv_pairs.data_ptr();
+    plan.workspaces.kv_pairs = plan.kv_pairs.data_ptr();
   }
   return plan;
 }
 
-void Backend::run(const AttentionForwardParams& params, const AttentionForwardPlan&) {
-  MHA_EXT_RUN_CPU_KERNEL(attention_forward, params);
+void Backend::run(const AttentionForwardParams& params, const AttentionForwardPlan& plan) {
+  MHA_EXT_RUN_CPU_KERNEL(attention_forward, params, plan.workspaces);
 }
 
 Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
@@ -71,13 +71,13 @@ Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
   if (params.dtype == DType::kBFloat16) {
     plan.q_grad_out_transposed = kept_workspace(
         Workspace::kTransposed, {q_grad_out_transposed_size(params)}, like.options());
-    params.q_grad_out_transposed = plan.q_grad_out_transposed.data_ptr();
+    plan.workspaces.q_grad_out_transposed = plan.q_grad_out_transposed.data_ptr();
   }
   return plan;
 }
 
-void Backend::run(const AttentionBackwardParams& params, const AttentionBackwardPlan&) {
-  MHA_EXT_RUN_CPU_KERNEL(attention_backward, params);
+void Backend::run(const AttentionBackwardParams& params, const AttentionBackwardPlan& plan) {
+  MHA_EXT_RUN_CPU_KERNEL(attention_backward, params, plan.workspaces);
 }
 
 void Backend::run(const DropoutMaskParams& p) {
@@ -97,15 +97,14 @@ Backend::NoPlan Backend::plan(PagedAppendParams&, const at::Tensor&) { return {}
 
 void Backend::run(const PagedAppendParams& params, NoPlan) { paged_kv_append(params); }
 
-Backend::NoPlan Backend::plan(PagedAttentionParams& params, const at::Tensor&) {
+PagedTaskPlan Backend::plan(PagedAttentionParams& params, const at::Tensor&) {
   const PagedTaskPlan tasks = plan_paged_tasks(params, at::get_num_threads());
-  params.kv_heads_per_task = tasks.kv_heads_per_task;
   params.num_kv_splits = tasks.kv_splits;
-  return {};
+  return tasks;
 }
 
-void Backend::run(const PagedAttentionParams& params, NoPlan) {
-  MHA_EXT_RUN_CPU_KERNEL(paged_attention, params);
+void Backend::run(const PagedAttentionParams& params, const PagedTaskPlan& plan) {
+  MHA_EXT_RUN_CPU_KERNEL(paged_attention, params, plan);
 }
 
 Backend::NoPlan Backend::plan(MergeStatesParams&, const at::Tensor&) { return {}; }

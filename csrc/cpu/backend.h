@@ -4,6 +4,7 @@
 // kernel build of the active ISA (cpu/isa.h).
 #include <ATen/core/Tensor.h>
 
+#include "cpu/kernels/blocking.h"
 #include "mha_ext/attention_params.h"
 #include "mha_ext/paged_params.h"
 
@@ -13,14 +14,17 @@ struct Backend {
   // The ops check index values on the host before the kernels trust them.
   static constexpr bool kIndicesOnHost = true;
 
-  // Workspaces borrowed from the calling thread's buffers: valid until that thread's next
-  // op call, so a plan must not outlive its op.
+  // Plans own what only the CPU kernels read (the shared params hold the rest). Their
+  // workspaces are borrowed from the calling thread's buffers: valid until that thread's
+  // next op call, so a plan must not outlive its op.
   struct AttentionForwardPlan {
     at::Tensor kv_pairs;  // the bf16 kernel's packed K/V tiles; undefined for other dtypes
+    AttentionWorkspaces workspaces;
   };
   struct AttentionBackwardPlan {
     at::Tensor grad_q_accum;           // [num_kv_splits, batch, heads, seq_q, head_dim]
     at::Tensor q_grad_out_transposed;  // the bf16 kernel's Q^T, dO^T; undefined otherwise
+    AttentionWorkspaces workspaces;
   };
   struct NoPlan {};
 
@@ -39,8 +43,8 @@ struct Backend {
   static void run(const PagedAppendParams& params, NoPlan);
 
   // plan_paged_tasks for this process's thread count: kv heads per task and key splits.
-  static NoPlan plan(PagedAttentionParams& params, const at::Tensor& like);
-  static void run(const PagedAttentionParams& params, NoPlan);
+  static PagedTaskPlan plan(PagedAttentionParams& params, const at::Tensor& like);
+  static void run(const PagedAttentionParams& params, const PagedTaskPlan& plan);
 
   static NoPlan plan(MergeStatesParams& params, const at::Tensor& like);
   static void run(const MergeStatesParams& params, NoPlan);

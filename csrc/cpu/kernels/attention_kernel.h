@@ -521,7 +521,8 @@ void finish_grad_q(const AttentionBackwardParams& p) {
 // is one 32-bit word of a K row); for V it interleaves consecutive rows.
 
 // The kernels read k and v rows (and the backward grad_out rows) as 32-bit pairs in place.
-inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = false) {
+inline bool bf16_brgemm_usable(const AttentionForwardParams& p, const AttentionWorkspaces& w,
+                               bool backward = false) {
   auto even_rows = [](const void* data, const RowStrides& strides) {
     return reinterpret_cast<uintptr_t>(data) % 4 == 0 && strides.batch % 2 == 0 &&
            strides.head % 2 == 0 && strides.row % 2 == 0;
@@ -532,12 +533,12 @@ inline bool bf16_brgemm_usable(const AttentionForwardParams& p, bool backward = 
                           even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
                           even_rows(p.v, p.v_strides);
   // The forward packs K and V into the caller's workspace.
-  if (!backward) return forward_ok && p.kv_pairs != nullptr;
+  if (!backward) return forward_ok && w.kv_pairs != nullptr;
   // The backward also transposes V as pairs of value dims, reads dO rows in place and writes
   // Q^T and dO^T to the caller's workspace.
   const auto& b = static_cast<const AttentionBackwardParams&>(p);
   return forward_ok && p.head_dim_v % 2 == 0 && even_rows(b.grad_out, b.grad_out_strides) &&
-         b.q_grad_out_transposed != nullptr;
+         w.q_grad_out_transposed != nullptr;
 }
 
 // B operand from rows: word (r / 2, c) of dst [ceil(rows / 2), ld] holds element c of rows r
@@ -572,23 +573,25 @@ inline int64_t bf16_key_tile(int64_t head_dim) {
   return head_dim <= 64 ? 128 : 64;
 }
 
-// Layout of a packed key tile, and of p.kv_pairs, which holds one per (batch, kv head, key
-// tile) in that order: K^T pairs [head_dim / 2, key_tile] (word (d / 2, c) = head dims d,
+// Layout of a packed key tile, and of the kv_pairs workspace, which holds one per (batch, kv
+// head, key tile) in that order: K^T pairs [head_dim / 2, key_tile] (word (d / 2, c) = head dims d,
 // d + 1 of key c), then V pairs [key_tile / 2, head_dim_v] (word (c / 2, d) = dim d of keys
 // c, c + 1).
 struct PackedKvTiles {
   int64_t key_tile, key_tiles;  // keys per tile, tiles per (batch, kv head)
   int64_t kt_words, tile_words;  // 32-bit words of a tile's K^T pairs, of the whole tile
+  uint32_t* pairs;                // the kv_pairs workspace
 
-  PackedKvTiles(const AttentionForwardParams& p, int64_t keys_per_tile)
+  PackedKvTiles(const AttentionForwardParams& p, int64_t keys_per_tile, void* kv_pairs)
       : key_tile(keys_per_tile),
         key_tiles(ceil_div(p.seq_k, keys_per_tile)),
         kt_words(p.head_dim / 2 * keys_per_tile),
-        tile_words(kt_words + keys_per_tile / 2 * p.head_dim_v) {}
-  // The tile of keys from key0 (a multiple of key_tile) of (batch, kv head) in p.kv_pairs.
+        tile_words(kt_words + keys_per_tile / 2 * p.head_dim_v),
+        pairs(static_cast<uint32_t*>(kv_pairs)) {}
+  // The tile of keys from key0 (a multiple of key_tile) of (batch, kv head) in kv_pairs.
   uint32_t* tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head, int64_t key0) const {
     const int64_t index = (batch * p.num_kv_heads + kv_head) * key_tiles + key0 / key_tile;
-    return static_cast<uint32_t*>(p.kv_pairs) + index * tile_words;
+    return pairs + index * tile_words;
   }
 };
 
@@ -605,7 +608,7 @@ inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& l
   pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + layout.kt_words, p.head_dim_v);
 }
 
-// Fills p.kv_pairs with every (batch, kv head, key tile)'s pack_kv_tile.
+// Fills the kv_pairs workspace with every (batch, kv head, key tile)'s pack_kv_tile.
 inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& layout) {
   const int64_t key_tiles = layout.key_tiles;
   at::parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
@@ -617,7 +620,8 @@ inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& 
   });
 }
 
-inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
+inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
+                                          const AttentionWorkspaces& w) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
   const int64_t key_tile = bf16_key_tile(p.head_dim);
@@ -626,7 +630,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p) {
   // once for all of them: packed per task, every chunk redid them (up to 16 times per tile
   // at S 1024, 4-8% of the llama2-70b forward). A single chunk packs its tiles itself, which
   // spares small calls a parallel region.
-  const PackedKvTiles layout(p, key_tile);
+  const PackedKvTiles layout(p, key_tile, w.kv_pairs);
   const bool prepacked = plan.chunks > 1;
   if (prepacked) pack_kv_tiles(p, layout);
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
@@ -819,16 +823,17 @@ inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t row
   }
 }
 
-// Q^T [head_dim, transposed_row_length] of batch x head bh in p.q_grad_out_transposed; its
-// dO^T [head_dim_v, transposed_row_length] follows.
-inline c10::BFloat16* transposed_rows(const AttentionBackwardParams& p, int64_t bh) {
-  return static_cast<c10::BFloat16*>(p.q_grad_out_transposed) +
+// Q^T [head_dim, transposed_row_length] of batch x head bh in the q_grad_out_transposed
+// workspace; its dO^T [head_dim_v, transposed_row_length] follows.
+inline c10::BFloat16* transposed_rows(const AttentionBackwardParams& p,
+                                      const AttentionWorkspaces& w, int64_t bh) {
+  return static_cast<c10::BFloat16*>(w.q_grad_out_transposed) +
          bh * (p.head_dim + p.head_dim_v) * transposed_row_length(p.seq_q);
 }
 
-// Fills p.q_grad_out_transposed: Q^T and dO^T of every query block, the columns past seq_q
-// zero (a run of odd length reads one as the pair of its last row).
-inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
+// Fills the q_grad_out_transposed workspace: Q^T and dO^T of every query block, the columns
+// past seq_q zero (a run of odd length reads one as the pair of its last row).
+inline void transpose_q_grad_out(const AttentionBackwardParams& p, const AttentionWorkspaces& w) {
   using scalar_t = c10::BFloat16;
   const int64_t q_blocks = ceil_div(p.seq_q, kQueryBlock), dims = p.head_dim + p.head_dim_v;
   const int64_t ld = transposed_row_length(p.seq_q);
@@ -836,7 +841,7 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
       const int64_t row0 = index % q_blocks * kQueryBlock, rows = std::min(kQueryBlock, p.seq_q - row0);
-      scalar_t* q_t = transposed_rows(p, bh) + row0;  // [head_dim, ld] from column row0
+      scalar_t* q_t = transposed_rows(p, w, bh) + row0;  // [head_dim, ld] from column row0
       scalar_t* grad_out_t = q_t + p.head_dim * ld;   // [head_dim_v, ld] from column row0
       transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
                          row0 * p.q_strides.row,
@@ -865,10 +870,11 @@ constexpr int64_t kBackwardChunkBlocks = 4;
 // written once per call by transpose_q_grad_out, and those two products each take a chunk
 // of query blocks at once. Per key block K^T, V^T and K are packed once (column pairs,
 // column pairs, row pairs); S and dP read q and dO rows in place.
-inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
+inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
+                                           const AttentionWorkspaces& w) {
   using scalar_t = c10::BFloat16;
   using Vec = at::vec::Vectorized<float>;
-  transpose_q_grad_out(p);
+  transpose_q_grad_out(p, w);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -924,7 +930,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
           const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
           const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
           float* grad_q_accum = grad_q_partial_sums<float>(p, split, bh);
-          const scalar_t* q_t = transposed_rows(p, bh);  // [d, ld_t]
+          const scalar_t* q_t = transposed_rows(p, w, bh);  // [d, ld_t]
           const scalar_t* grad_out_t = q_t + d * ld_t;    // [dv, ld_t]
           for (int64_t chunk0 = rows_begin; chunk0 < rows_end; chunk0 += chunk_rows) {
             const int64_t chunk_end = std::min(chunk0 + chunk_rows, rows_end);
@@ -1011,20 +1017,24 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p) {
 #endif
 
 // The ISA's entry points, declared for the dispatcher in kernels.h.
-void attention_forward(const AttentionForwardParams& params) {
+void attention_forward(const AttentionForwardParams& params, const AttentionWorkspaces& workspaces) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (bf16_brgemm_usable(params)) return attention_forward_bf16_brgemm(params);
+  if (bf16_brgemm_usable(params, workspaces)) {
+    return attention_forward_bf16_brgemm(params, workspaces);
+  }
 #endif
   dispatch_dtype(params.dtype, [&](auto tag) { attention_forward_kernel<decltype(tag)>(params); });
 }
 
-void attention_backward(const AttentionBackwardParams& params) {
+void attention_backward(const AttentionBackwardParams& params,
+                        const AttentionWorkspaces& workspaces) {
   dispatch_dtype(params.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     compute_delta<scalar_t, typename AccumulateType<scalar_t>::type>(params);
 #if defined(CPU_CAPABILITY_AVX512)
-    if (std::is_same_v<scalar_t, c10::BFloat16> && bf16_brgemm_usable(params, /*backward=*/true)) {
-      attention_backward_bf16_brgemm(params);
+    if (std::is_same_v<scalar_t, c10::BFloat16> &&
+        bf16_brgemm_usable(params, workspaces, /*backward=*/true)) {
+      attention_backward_bf16_brgemm(params, workspaces);
     } else {
       attention_backward_kernel<scalar_t>(params);
     }

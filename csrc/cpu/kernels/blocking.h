@@ -37,9 +37,10 @@ inline int64_t paged_task_rows(const PagedAttentionParams& p) {
   return std::min(std::max<int64_t>(p.max_queries_per_seq, 1), paged_queries_per_tile(p)) * group;
 }
 
+// The CPU backend's plan of a paged_attention call, which the kernel takes beside the params.
 struct PagedTaskPlan {
-  int64_t kv_heads_per_task;
-  int64_t kv_splits;
+  int64_t kv_heads_per_task;  // kv heads of one sequence a task takes together
+  int64_t kv_splits;          // = params.num_kv_splits
 };
 
 // How the paged kernel divides its work among `threads` threads, aiming at two tasks per
@@ -61,11 +62,18 @@ inline PagedTaskPlan plan_paged_tasks(const PagedAttentionParams& p, int64_t thr
   return {(p.num_kv_heads + head_groups - 1) / head_groups, splits};
 }
 
+// The CPU backend's workspaces of an attention call, which the bf16 kernels on brgemm need
+// (where one is nullptr, bf16 runs on the fp32 tiles). Borrowed for the call.
+struct AttentionWorkspaces {
+  void* kv_pairs = nullptr;               // forward: kv_pairs_size values of q's dtype
+  void* q_grad_out_transposed = nullptr;  // backward: q_grad_out_transposed_size values
+};
+
 // Most keys per tile of the bf16 forward (bf16_key_tile in attention_kernel.h).
 constexpr int64_t kMaxBf16KeyTile = 128;
 
-// Values of q's dtype in the bf16 forward's workspace AttentionForwardParams::kv_pairs: room
-// for every key tile's K and V of each (batch, kv head), in brgemm's pair layout.
+// Values of q's dtype in the bf16 forward's workspace AttentionWorkspaces::kv_pairs: room for
+// every key tile's K and V of each (batch, kv head), in brgemm's pair layout.
 inline int64_t kv_pairs_size(const AttentionForwardParams& p) {
   const int64_t keys = (p.seq_k + kMaxBf16KeyTile - 1) / kMaxBf16KeyTile * kMaxBf16KeyTile;
   return p.batch * p.num_kv_heads * keys * (p.head_dim + p.head_dim_v);
@@ -78,8 +86,10 @@ inline int64_t transposed_row_length(int64_t seq_q) {
   return (seq_q + kQueryBlock - 1) / kQueryBlock * kQueryBlock + 32;
 }
 
-// Values of q's dtype in the bf16 backward's workspace AttentionBackwardParams::
+// Values of q's dtype in the bf16 backward's workspace AttentionWorkspaces::
 // q_grad_out_transposed: [batch, num_heads, head_dim + head_dim_v, transposed_row_length].
+// Q and dO with rows as columns, Q^T above dO^T: the products dK^T = Q^T dS and dV^T = dO^T P
+// read them.
 inline int64_t q_grad_out_transposed_size(const AttentionForwardParams& p) {
   return p.batch * p.num_heads * (p.head_dim + p.head_dim_v) * transposed_row_length(p.seq_q);
 }

@@ -12,9 +12,12 @@ namespace mha_ext::cpu {
 
 #define MHA_EXT_DECLARE_CPU_KERNELS(isa)                              \
   namespace isa {                                                     \
-  void attention_forward(const AttentionForwardParams& params);      \
-  void attention_backward(const AttentionBackwardParams& params);    \
-  void paged_attention(const PagedAttentionParams& params);          \
+  void attention_forward(const AttentionForwardParams& params,       \
+                         const AttentionWorkspaces& workspaces);       \
+  void attention_backward(const AttentionBackwardParams& params,     \
+                          const AttentionWorkspaces& workspaces);      \
+  void paged_attention(const PagedAttentionParams& params,           \
+                       const PagedTaskPlan& plan);                     \
   void merge_attention_states(const MergeStatesParams& params);      \
   }
 
@@ -30,24 +33,25 @@ MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
 // portable build serves every CPU (kernels/append.cpp).
 void paged_kv_append(const PagedAppendParams& params);
 
-// Runs the build of kernel `name` that cpu/isa.h chose for this CPU. Both AVX-512 levels run
+// Runs the build of kernel `name` that cpu/isa.h chose for this CPU, with the kernel's
+// arguments. Both AVX-512 levels run
 // the AVX-512 build, which asks the active ISA whether its AVX512-BF16 paths may run
 // (avx512_bf16_enabled in kernel_common.h).
 #if defined(__x86_64__)
-#define MHA_EXT_RUN_CPU_KERNEL(name, params)                   \
+#define MHA_EXT_RUN_CPU_KERNEL(name, ...)                      \
   switch (::mha_ext::cpu::active_cpu_isa()) {                  \
     case ::mha_ext::cpu::CpuIsa::kAvx512Bf16:                  \
     case ::mha_ext::cpu::CpuIsa::kAvx512:                      \
-      ::mha_ext::cpu::AVX512::name(params);                    \
+      ::mha_ext::cpu::AVX512::name(__VA_ARGS__);               \
       break;                                                   \
     case ::mha_ext::cpu::CpuIsa::kAvx2:                        \
-      ::mha_ext::cpu::AVX2::name(params);                      \
+      ::mha_ext::cpu::AVX2::name(__VA_ARGS__);                 \
       break;                                                   \
     default:                                                   \
-      ::mha_ext::cpu::DEFAULT::name(params);                   \
+      ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__);              \
   }
 #else
-#define MHA_EXT_RUN_CPU_KERNEL(name, params) ::mha_ext::cpu::DEFAULT::name(params)
+#define MHA_EXT_RUN_CPU_KERNEL(name, ...) ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__)
 #endif
 
 }  // namespace mha_ext::cpu

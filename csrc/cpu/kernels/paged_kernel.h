@@ -711,7 +711,7 @@ struct HeadState {
 
 // How a call divides its work into tasks, and the scratch each thread needs for them. A task
 // is (sequence, group of kv heads, chunk of queries, key split), numbered in that order, the
-// split fastest; the op's planner (plan_paged_tasks, blocking.h) chose the kv heads per task
+// split fastest; the CPU backend's plan (plan_paged_tasks, blocking.h) chose the kv heads per task
 // and the splits.
 struct PagedCallPlan {
   int64_t group = 0;             // query heads per kv head
@@ -728,9 +728,9 @@ struct PagedCallPlan {
   int64_t tasks = 0;
 };
 
-// The call's tasks and scratch sizes, from the params the op's planner filled.
+// The call's tasks and scratch sizes, from the params and the CPU backend's plan.
 template <typename acc_t>
-PagedCallPlan plan_paged_call(const PagedAttentionParams& p) {
+PagedCallPlan plan_paged_call(const PagedAttentionParams& p, const PagedTaskPlan& tasks) {
   const int64_t width = at::vec::Vectorized<acc_t>::size();
   PagedCallPlan plan;
   plan.group = p.num_heads / p.num_kv_heads;
@@ -738,7 +738,7 @@ PagedCallPlan plan_paged_call(const PagedAttentionParams& p) {
   plan.tile_rows = paged_task_rows(p);
   plan.q_chunks = ceil_div(std::max<int64_t>(p.max_queries_per_seq, 1), plan.queries_per_tile);
   plan.splits = p.num_kv_splits;
-  plan.heads_per_task = std::clamp<int64_t>(p.kv_heads_per_task, 1, p.num_kv_heads);
+  plan.heads_per_task = std::clamp<int64_t>(tasks.kv_heads_per_task, 1, p.num_kv_heads);
   plan.head_groups = ceil_div(p.num_kv_heads, plan.heads_per_task);
   plan.ld_d = round_up(p.head_dim, width);
   plan.ld_dv = round_up(p.head_dim_v, width);
@@ -1110,10 +1110,10 @@ void merge_split_outputs(const PagedAttentionParams& p) {
 // Paged attention in one ISA build for a cache of scalar_t: the tasks in parallel, each
 // started, run item by item and finished, then the key splits merged.
 template <typename scalar_t>
-void paged_attention_kernel(const PagedAttentionParams& p) {
+void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& tasks) {
   using Traits = PagedKernelTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
-  const PagedCallPlan plan = plan_paged_call<acc_t>(p);
+  const PagedCallPlan plan = plan_paged_call<acc_t>(p, tasks);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool bf16_dots = Traits::kScoreByBf16Dots && avx512_bf16_enabled();
 #else
@@ -1153,8 +1153,9 @@ void merge_states_kernel(const MergeStatesParams& p) {
   });
 }
 
-void paged_attention(const PagedAttentionParams& params) {
-  dispatch_dtype(params.dtype, [&](auto tag) { paged_attention_kernel<decltype(tag)>(params); });
+void paged_attention(const PagedAttentionParams& params, const PagedTaskPlan& plan) {
+  dispatch_dtype(params.dtype,
+                 [&](auto tag) { paged_attention_kernel<decltype(tag)>(params, plan); });
 }
 
 void merge_attention_states(const MergeStatesParams& params) {

@@ -74,10 +74,6 @@ struct AttentionForwardParams {
   // [batch, num_heads, seq_q] contiguous natural-log logsumexp of the scaled, masked
   // scores; float, or double for kFloat64. -inf for a row that sees no key.
   void* lse = nullptr;
-  // Workspace of the CPU bf16 forward, which packs every key tile's K and V there once per
-  // call for all its tasks: cpu::kv_pairs_size values of q's dtype (cpu/kernels/blocking.h).
-  // nullptr where no kernel uses it.
-  void* kv_pairs = nullptr;
 
   int64_t batch = 0;
   int64_t num_heads = 0;
@@ -113,11 +109,6 @@ struct AttentionBackwardParams : AttentionForwardParams {
   int64_t num_kv_splits = 1;
   // rowsum(grad_out * out) - grad_lse, written by the kernel: [batch, num_heads, seq_q].
   void* delta = nullptr;
-  // Q and dO with rows as columns, written by the CPU bf16 kernel, whose products
-  // dK^T = Q^T dS and dV^T = dO^T P read them: [batch, num_heads, head_dim + head_dim_v,
-  // transposed_row_length(seq_q)] (cpu/kernels/blocking.h) in q's dtype, Q^T above dO^T.
-  // nullptr where no kernel uses it.
-  void* q_grad_out_transposed = nullptr;
 };
 
 }  // namespace mha_ext

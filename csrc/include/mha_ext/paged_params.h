@@ -71,10 +71,6 @@ struct PagedAttentionParams {
   void* partial_out = nullptr;
   void* partial_lse = nullptr;
 
-  // CPU: kv heads of one sequence that a task takes together, visiting them head by head
-  // within each key tile (cpu/kernels/blocking.h: plan_paged_tasks). The CUDA kernels take
-  // one head per block and ignore it.
-  int64_t kv_heads_per_task = 1;
 };
 
 struct MergeStatesParams {
