@@ -8,15 +8,15 @@ Environment:
   MHA_EXT_HEAD_DIMS     head dims with tensor-core attention kernels (default "64,128").
   MAX_JOBS              parallel compile jobs (ninja).
 """
+
 import os
 import platform
 import re
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
-
 import torch
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
@@ -108,7 +108,9 @@ def tensor_core_head_dims():
     except ValueError:
         dims = []
     if not dims or any(dim % 16 or not 16 <= dim <= 256 for dim in dims):
-        sys.exit(f"setup.py: MHA_EXT_HEAD_DIMS must list multiples of 16 in [16, 256], got {setting!r}")
+        sys.exit(
+            f"setup.py: MHA_EXT_HEAD_DIMS must list multiples of 16 in [16, 256], got {setting!r}"
+        )
     return dims
 
 

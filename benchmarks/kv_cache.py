@@ -4,6 +4,7 @@ SDPA on a contiguous cache). The suites live in mha_ext.bench; this runs those t
 
     python benchmarks/kv_cache.py [--quick] [other python -m mha_ext.bench options]
 """
+
 import sys
 
 from mha_ext.bench.__main__ import main

@@ -10,6 +10,7 @@ shared libraries (libtorch's code) that the run faults in, for instance after ot
 programs pushed them out of the page cache, are file-backed, not memory the attention
 allocates, and are taken off.
 """
+
 import argparse
 import ctypes
 import json
@@ -73,7 +74,9 @@ def measure(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> di
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16384)

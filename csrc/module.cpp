@@ -59,12 +59,13 @@ PyObject* build_info(PyObject*, PyObject*) {
   }
   PyObject* info = PyDict_New();
   bool ok = info != nullptr &&
-            set_item(info, "torch_version", PyUnicode_FromString(MHA_EXT_STRINGIFY(MHA_EXT_TORCH_VERSION))) &&
+            set_item(info, "torch_version",
+                     PyUnicode_FromString(MHA_EXT_STRINGIFY(MHA_EXT_TORCH_VERSION))) &&
             set_item(info, "cpu_isas", isas) &&
             set_item(info, "cpu_isa", PyUnicode_FromString(active_isa));
 #if defined(MHA_EXT_WITH_CUDA)
-  const std::string cuda_version = std::to_string(CUDART_VERSION / 1000) + "." +
-                                   std::to_string(CUDART_VERSION % 1000 / 10);
+  const std::string cuda_version =
+      std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
   ok = ok && set_item(info, "cuda_version", PyUnicode_FromString(cuda_version.c_str())) &&
        set_item(info, "cuda_archs", split_list(MHA_EXT_STRINGIFY(MHA_EXT_CUDA_ARCHS)));
 #else
@@ -88,6 +89,7 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
-  if (module != nullptr && PyModule_AddFunctions(module, mha_ext::direct_op_calls()) != 0) Py_CLEAR(module);
+  if (module != nullptr && PyModule_AddFunctions(module, mha_ext::direct_op_calls()) != 0)
+    Py_CLEAR(module);
   return module;
 }

@@ -124,8 +124,7 @@ struct DirectCall<Op, Result(Args...)> {
   static PyMethodDef method(const char* doc) {
     // The Python name: the op's name without "mha_ext::", kept alive by the op's static string.
     return {Op::name + sizeof("mha_ext::") - 1,
-            reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)), METH_FASTCALL,
-            doc};
+            reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&call)), METH_FASTCALL, doc};
   }
 };
 
@@ -138,7 +137,8 @@ bool add_signature(PyObject* dict) {
   PyObject* arguments = PyList_New(0);
   PyObject* returns = PyList_New(0);
   bool ok = arguments != nullptr && returns != nullptr;
-  for (auto [list, names] : {std::pair{arguments, Types::arguments()}, std::pair{returns, Types::returns()}}) {
+  for (auto [list, names] :
+       {std::pair{arguments, Types::arguments()}, std::pair{returns, Types::returns()}}) {
     for (const std::string& name : names) {
       PyObject* item = ok ? PyUnicode_FromString(name.c_str()) : nullptr;
       ok = item != nullptr && PyList_Append(list, item) == 0;

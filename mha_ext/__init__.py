@@ -1,13 +1,14 @@
 """mha_ext: fused multi-head attention for PyTorch (FlashAttention-style CPU and CUDA kernels).
 
-    import mha_ext
-    out = mha_ext.scaled_dot_product_attention(q, k, v, is_causal=True)    # torch drop-in
-    out, lse = mha_ext.attention(q, k, v, causal="bottom_right", window=(256, 0),
-                                 return_lse=True)                          # full feature set
-    layer = mha_ext.MultiHeadAttention(d_model=512, num_heads=8, num_kv_heads=2)
-    cache = mha_ext.PagedKVCache(num_layers=1, num_blocks=256, block_size=16,
-                                 num_kv_heads=2, head_dim=64)                # generation
+import mha_ext
+out = mha_ext.scaled_dot_product_attention(q, k, v, is_causal=True)    # torch drop-in
+out, lse = mha_ext.attention(q, k, v, causal="bottom_right", window=(256, 0),
+                             return_lse=True)                          # full feature set
+layer = mha_ext.MultiHeadAttention(d_model=512, num_heads=8, num_kv_heads=2)
+cache = mha_ext.PagedKVCache(num_layers=1, num_blocks=256, block_size=16,
+                             num_kv_heads=2, head_dim=64)                # generation
 """
+
 import torch  # noqa: F401  (loads libtorch, which the extension links against)
 
 from . import _C

@@ -6,6 +6,7 @@ prints the loss, generates text from a batch of prompts through the paged KV cac
 times mha_ext's fused attention against torch SDPA and the textbook reference on a
 GPT-2-small-sized attention layer.
 """
+
 import argparse
 import time
 from importlib import resources
@@ -14,8 +15,7 @@ import torch
 from torch import nn
 
 import mha_ext
-from mha_ext.bench import attention_case, run_case
-from mha_ext.bench import report, roofline
+from mha_ext.bench import attention_case, report, roofline, run_case
 from mha_ext.models import CausalLM
 
 PROMPTS = ["Attention ", "The cache ", "A fused kernel "]
@@ -28,12 +28,14 @@ def train(steps: int, batch: int, context: int):
     data = torch.tensor([alphabet.index(c) for c in text])
     model = CausalLM(len(alphabet), context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    print(f"training a {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k-parameter transformer "
-          f"(2 layers, 4 query heads sharing 2 kv heads) on {len(text)} characters of shipped text")
+    print(
+        f"training a {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k-parameter transformer "
+        f"(2 layers, 4 query heads sharing 2 kv heads) on {len(text)} characters of shipped text"
+    )
     start = time.perf_counter()
     for step in range(1, steps + 1):
         offsets = torch.randint(0, len(data) - context - 1, (batch,))
-        window = torch.stack([data[o:o + context + 1] for o in offsets])  # (B, T + 1)
+        window = torch.stack([data[o : o + context + 1] for o in offsets])  # (B, T + 1)
         logits = model(window[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
         optimizer.zero_grad()
@@ -62,10 +64,15 @@ def compare_speed(quick: bool):
     device = torch.device("cpu")
     probes = roofline.probes([torch.float32], device, quick=True)
     ceilings = roofline.measure(probes, device, quick=True)
-    print(f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, {torch.get_num_threads()} threads "
-          f"(more: python -m mha_ext.bench):")
+    print(
+        f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, "
+        f"{torch.get_num_threads()} threads "
+        f"(more: python -m mha_ext.bench):"
+    )
     for suite, backward in (("forward", False), ("forward_backward", True)):
-        case = attention_case(suite, "gpt2-small", 12, 12, 64, seq, torch.float32, True, backward, device)
+        case = attention_case(
+            suite, "gpt2-small", 12, 12, 64, seq, torch.float32, True, backward, device
+        )
         result = run_case(case, ceilings, device, repeats=3 if quick else 5, probes=probes)
         print(report.format_suite(suite, [result], ceilings))
 
@@ -77,8 +84,11 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     info = mha_ext.build_info()
-    print(f"mha_ext {info['version']} (torch {info['torch_version']}, CPU kernels: {info['cpu_isa']}, "
-          f"CUDA archs: {', '.join(info['cuda_archs']) or 'none'})")
+    print(
+        f"mha_ext {info['version']} (torch {info['torch_version']}, CPU kernels: "
+        f"{info['cpu_isa']}, "
+        f"CUDA archs: {', '.join(info['cuda_archs']) or 'none'})"
+    )
     model, alphabet = train(args.steps, batch=16, context=64)
     generate(model, alphabet, new_tokens=24 if args.quick else 48)
     compare_speed(args.quick)

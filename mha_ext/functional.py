@@ -5,6 +5,7 @@ set (both causal alignments, sliding windows, logsumexp output). Shapes are
 (batch, heads, seq, head_dim); (batch, seq, heads, head_dim) storage works through
 .transpose(1, 2) views, without copies.
 """
+
 from typing import Optional, Tuple, Union
 
 import torch
@@ -43,8 +44,10 @@ def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
     left, right = -1, -1
     if window is not None:
         sides = tuple(window) if isinstance(window, (tuple, list)) else None
-        valid = sides is not None and len(sides) == 2 and all(
-            side is None or (isinstance(side, int) and side >= -1) for side in sides
+        valid = (
+            sides is not None
+            and len(sides) == 2
+            and all(side is None or (isinstance(side, int) and side >= -1) for side in sides)
         )
         if not valid:
             raise ValueError(
@@ -59,16 +62,35 @@ def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
 
 
 def _attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, scale: Optional[float],
-    window_left: int, window_right: int, bottom_right: bool, fn: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_p: float,
+    scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+    fn: str,
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the forward op, with attention's checks and defaults applied."""
     if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError(f"{fn}: attn_mask requires grad, but the fused kernels give the mask no gradient")
+        raise ValueError(
+            f"{fn}: attn_mask requires grad, but the fused kernels give the mask no gradient"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
     return ops.attention_forward(
-        q, k, v, attn_mask, dropout_seed, float(dropout_p), scale, window_left, window_right, bottom_right
+        q,
+        k,
+        v,
+        attn_mask,
+        dropout_seed,
+        float(dropout_p),
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
     )
 
 
@@ -151,7 +173,16 @@ def scaled_dot_product_attention(
             attn_mask = attn_mask.unsqueeze(1)
     # is_causal is top-left causal; the window bounds as _window_bounds gives them.
     out, _ = _attention_forward(
-        query, key, value, attn_mask, dropout_p, scale, -1, 0 if is_causal else -1, not is_causal, fn
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        scale,
+        -1,
+        0 if is_causal else -1,
+        not is_causal,
+        fn,
     )
     return out.squeeze(1) if unbatched_heads else out
 
@@ -180,7 +211,9 @@ def attention_probs(
     grouped_q = q.unflatten(1, (kv_heads, heads // kv_heads)).to(compute_dtype)
     scores = grouped_q @ k.unsqueeze(2).transpose(-1, -2).to(compute_dtype)
     scores = scores.flatten(1, 2) * scale  # (B, H, Sq, Sk)
-    diagonal = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q if bottom_right else 0)
+    diagonal = torch.arange(seq_q, device=q.device)[:, None] + (
+        seq_k - seq_q if bottom_right else 0
+    )
     key_index = torch.arange(seq_k, device=q.device)[None, :]
     visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device)
     if window_left >= 0:
@@ -198,7 +231,9 @@ def attention_probs(
     return torch.exp(scores - finite_lse[..., None]).to(q.dtype)
 
 
-def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def paged_kv_append(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     """Writes new keys and values into a paged cache, in place.
 
     Args:
@@ -219,7 +254,9 @@ def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
 def slot_mapping_for(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
     """Slots (int64) of token positions of one sequence whose blocks are `block_table`."""
     block_table = torch.as_tensor(block_table, device=positions.device)
-    return block_table[positions // block_size].to(torch.int64) * block_size + positions % block_size
+    return (
+        block_table[positions // block_size].to(torch.int64) * block_size + positions % block_size
+    )
 
 
 def paged_attention(
@@ -251,7 +288,9 @@ def paged_attention(
     return (out, lse) if return_lse else out
 
 
-def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+def merge_attention_states(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
+) -> Tuple[Tensor, Tensor]:
     """Combines two attentions over disjoint key sets into the attention over both.
 
     out_a, out_b: (..., head_dim), each normalised over its own keys; lse_a, lse_b: (...)

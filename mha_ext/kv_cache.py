@@ -6,6 +6,7 @@ does not grow with the context, unlike concatenating onto a contiguous cache. Bl
 reference-counted: fork() lets a sequence share its parent's blocks (parallel sampling, beam
 search), and a shared, partly filled last block is copied before the first write into it.
 """
+
 import math
 import mmap
 import sys
@@ -36,13 +37,19 @@ def _zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     pool.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
     raw = torch.frombuffer(pool, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def _zeros(shape: Sequence[int], dtype: torch.dtype, device, huge_pages: bool) -> Tensor:
     on_cpu = device is None or torch.device(device).type == "cpu"
     large = math.prod(shape) * dtype.itemsize >= HUGE_PAGE_BYTES
-    if huge_pages and on_cpu and large and sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE"):
+    if (
+        huge_pages
+        and on_cpu
+        and large
+        and sys.platform == "linux"
+        and hasattr(mmap, "MADV_HUGEPAGE")
+    ):
         return _zeros_on_huge_pages(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -75,11 +82,23 @@ class PagedKVCache:
             pages (when the kernel allows them), which makes decode over large caches faster.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 *, dtype=torch.float32, device=None, layout: str = "HND", huge_pages: bool = True):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype=torch.float32,
+        device=None,
+        layout: str = "HND",
+        huge_pages: bool = True,
+    ):
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError(
-                f"PagedKVCache: sizes must be positive, got num_layers {num_layers}, num_blocks {num_blocks}, "
+                f"PagedKVCache: sizes must be positive, got num_layers {num_layers}, num_blocks "
+                f"{num_blocks}, "
                 f"block_size {block_size}, num_kv_heads {num_kv_heads}, head_dim {head_dim}"
             )
         if layout not in LAYOUTS:
@@ -89,8 +108,12 @@ class PagedKVCache:
 
         def make_cache():
             if layout == "HND":
-                return _zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype, device, huge_pages)
-            return _zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, huge_pages).transpose(1, 2)
+                return _zeros(
+                    (num_blocks, num_kv_heads, block_size, head_dim), dtype, device, huge_pages
+                )
+            return _zeros(
+                (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, huge_pages
+            ).transpose(1, 2)
 
         self.key_caches = [make_cache() for _ in range(num_layers)]
         self.value_caches = [make_cache() for _ in range(num_layers)]
@@ -144,7 +167,8 @@ class PagedKVCache:
         batch tensors for this step. Raises before changing anything when the pool is short."""
         if len(seq_ids) != len(num_new_tokens) or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(
-                f"PagedKVCache.prepare: need distinct seq_ids and one count each, got {list(seq_ids)} "
+                f"PagedKVCache.prepare: need distinct seq_ids and one count each, got "
+                f"{list(seq_ids)} "
                 f"and {list(num_new_tokens)}"
             )
         for seq_id, count in zip(seq_ids, num_new_tokens):
@@ -162,7 +186,9 @@ class PagedKVCache:
             self._make_writable(seq_id, count)
             start = self._lengths[seq_id]
             new_positions = torch.arange(start, start + count)
-            slots.append(slot_mapping_for(torch.tensor(self._tables[seq_id]), new_positions, self.block_size))
+            slots.append(
+                slot_mapping_for(torch.tensor(self._tables[seq_id]), new_positions, self.block_size)
+            )
             positions.append(new_positions)
             self._lengths[seq_id] = start + count
         return self._batch(list(seq_ids), num_new_tokens, slots, positions)
@@ -207,14 +233,18 @@ class PagedKVCache:
         max_blocks = max((len(self._tables[s]) for s in seq_ids), default=0)
         tables = torch.zeros(len(seq_ids), max(max_blocks, 1), dtype=torch.int32)
         for row, seq_id in enumerate(seq_ids):
-            tables[row, :len(self._tables[seq_id])] = torch.tensor(self._tables[seq_id], dtype=torch.int32)
+            tables[row, : len(self._tables[seq_id])] = torch.tensor(
+                self._tables[seq_id], dtype=torch.int32
+            )
         cu_seqlens = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.tensor(list(counts), dtype=torch.int32).cumsum(0)
         empty = torch.zeros(0, dtype=torch.int64)
         return CacheBatch(
             seq_ids=seq_ids,
             block_tables=tables.to(device),
-            seq_lens=torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(
+                [self._lengths[s] for s in seq_ids], dtype=torch.int32, device=device
+            ),
             cu_seqlens_q=cu_seqlens.to(device),
             slot_mapping=torch.cat(slots or [empty]).to(device),
             positions=torch.cat(positions or [empty]).to(device),

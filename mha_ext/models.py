@@ -1,5 +1,6 @@
 """A small causal language model on MultiHeadAttention, trained by the demo, with greedy
 generation through a paged KV cache."""
+
 from typing import List, Sequence
 
 import torch
@@ -15,16 +16,22 @@ class Block(nn.Module):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, dropout: float):
         super().__init__()
         self.norm_attn = nn.LayerNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, num_kv_heads=num_kv_heads)
+        self.attn = MultiHeadAttention(
+            d_model, num_heads, dropout=dropout, num_kv_heads=num_kv_heads
+        )
         self.norm_mlp = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model)
         h = self.norm_attn(x)
         x = x + self.attn(h, h, h, is_causal=True)
         return x + self.mlp(self.norm_mlp(x))
 
-    def forward_paged(self, x: Tensor, cache: PagedKVCache, layer: int, batch: CacheBatch) -> Tensor:
+    def forward_paged(
+        self, x: Tensor, cache: PagedKVCache, layer: int, batch: CacheBatch
+    ) -> Tensor:
         # (new_tokens, d_model)
         x = x + self.attn.forward_paged(self.norm_attn(x), cache, layer, batch)
         return x + self.mlp(self.norm_mlp(x))
@@ -33,15 +40,25 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only transformer over a small vocabulary with learned positions."""
 
-    def __init__(self, vocab_size: int, context: int, d_model: int = 128, num_heads: int = 4,
-                 num_kv_heads: int = 2, num_layers: int = 2, dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab_size: int,
+        context: int,
+        d_model: int = 128,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        num_layers: int = 2,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.context = context
         self.num_kv_heads = num_kv_heads
         self.head_dim = d_model // num_heads
         self.token = nn.Embedding(vocab_size, d_model)
         self.position = nn.Embedding(context, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, num_heads, num_kv_heads, dropout) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(
+            Block(d_model, num_heads, num_kv_heads, dropout) for _ in range(num_layers)
+        )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
@@ -61,7 +78,9 @@ class CausalLM(nn.Module):
         return self.head(self.norm(x))
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, block_size: int = 16) -> List[List[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, block_size: int = 16
+    ) -> List[List[int]]:
         """Greedy continuation of a batch of prompts of different lengths.
 
         The prompts are prefilled together (packed, one chunk each), then every step decodes
@@ -71,13 +90,22 @@ class CausalLM(nn.Module):
         longest = max(len(p) for p in prompts) + max_new_tokens
         if min(len(p) for p in prompts) == 0 or longest > self.context:
             raise ValueError(
-                f"CausalLM.generate: prompts must be non-empty and prompt + max_new_tokens <= context "
-                f"{self.context}, got prompt lengths {[len(p) for p in prompts]} and max_new_tokens {max_new_tokens}"
+                f"CausalLM.generate: prompts must be non-empty and prompt + max_new_tokens <= "
+                f"context "
+                f"{self.context}, got prompt lengths {[len(p) for p in prompts]} and "
+                f"max_new_tokens {max_new_tokens}"
             )
         device = self.head.weight.device
         blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
-        cache = PagedKVCache(len(self.blocks), blocks, block_size, self.num_kv_heads, self.head_dim,
-                             dtype=self.head.weight.dtype, device=device)
+        cache = PagedKVCache(
+            len(self.blocks),
+            blocks,
+            block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.head.weight.dtype,
+            device=device,
+        )
         seq_ids = [cache.allocate() for _ in prompts]
         batch = cache.prepare(seq_ids, [len(p) for p in prompts])
         tokens = torch.tensor([t for p in prompts for t in p], device=device)

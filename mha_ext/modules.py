@@ -1,4 +1,5 @@
 """MultiHeadAttention on the fused kernels, with the seed tutorial's interface."""
+
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -62,7 +63,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or d_model % num_heads != 0:
             raise ValueError(
-                f"MultiHeadAttention: d_model {d_model} must be a positive multiple of num_heads {num_heads}"
+                f"MultiHeadAttention: d_model {d_model} must be a positive multiple of "
+                f"num_heads {num_heads}"
             )
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -84,7 +86,9 @@ class MultiHeadAttention(nn.Module):
     def from_preset(cls, name: str, **kwargs) -> "MultiHeadAttention":
         """The attention layer of a model in PRESETS, e.g. from_preset("llama2-70b")."""
         if name not in PRESETS:
-            raise ValueError(f"MultiHeadAttention: unknown preset {name!r}; known: {', '.join(PRESETS)}")
+            raise ValueError(
+                f"MultiHeadAttention: unknown preset {name!r}; known: {', '.join(PRESETS)}"
+            )
         config = PRESETS[name]
         return cls(config.d_model, config.num_heads, num_kv_heads=config.num_kv_heads, **kwargs)
 
@@ -126,7 +130,9 @@ class MultiHeadAttention(nn.Module):
         attn_mask = None if mask is None else mask != 0
         causal = "bottom_right" if is_causal else None
         out, lse = functional.attention(
-            query, key, value,
+            query,
+            key,
+            value,
             causal=causal,
             attn_mask=attn_mask,
             dropout_p=self.dropout.p if self.training else 0.0,
@@ -144,7 +150,9 @@ class MultiHeadAttention(nn.Module):
         out = self.w_o(out.transpose(1, 2).reshape(batch, -1, self.d_model))  # (B, Sq, d_model)
         return (out, weights) if need_weights else out
 
-    def forward_paged(self, x: Tensor, cache: PagedKVCache, layer: int, batch: CacheBatch) -> Tensor:
+    def forward_paged(
+        self, x: Tensor, cache: PagedKVCache, layer: int, batch: CacheBatch
+    ) -> Tensor:
         """Self-attention of new tokens through a paged KV cache (prefill, chunked prefill or
         decode): their keys and values are appended in place to the cache of `layer`, and each
         new token attends causally to its sequence's cached tokens, itself included.

@@ -10,6 +10,7 @@ The ops a decode loop calls every step (attention_forward, paged_kv_append,
 paged_attention) go through _C's direct entry points (csrc/python_calls.cpp): the same
 dispatcher call without torch.ops' per-argument boxing, a few microseconds a call.
 """
+
 from typing import Optional, Tuple
 
 import torch
@@ -42,7 +43,18 @@ def attention_forward(
     bottom_right: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Fused attention; returns (out, lse). See csrc/ops.cpp for the argument contract."""
-    args = (q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right)
+    args = (
+        q,
+        k,
+        v,
+        attn_mask,
+        dropout_seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+    )
     if calls_directly((q, k, v, attn_mask, dropout_seed)):
         return _C.attention_forward(*args)
     return _ops.attention_forward.default(*args)
@@ -66,8 +78,20 @@ def attention_backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (grad_q, grad_k, grad_v) of attention_forward from its saved out and lse."""
     return _ops.attention_backward.default(
-        grad_out, grad_lse, q, k, v, out, lse, attn_mask, dropout_seed,
-        dropout_p, scale, window_left, window_right, bottom_right,
+        grad_out,
+        grad_lse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        dropout_seed,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
     )
 
 
@@ -78,7 +102,9 @@ def dropout_mask(
     return _ops.dropout_mask.default(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p)
 
 
-def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def paged_kv_append(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     """Writes key/value rows into the caches in place at slot_mapping (-1 skips a token)."""
     args = (key, value, k_cache, v_cache, slot_mapping)
     if calls_directly(args):
@@ -88,8 +114,13 @@ def paged_kv_append(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
 
 
 def paged_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    cu_seqlens_q: Tensor, scale: float,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of packed queries over paged caches; returns (out, lse)."""
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
@@ -98,7 +129,9 @@ def paged_attention(
     return _ops.paged_attention.default(*tensors, scale)
 
 
-def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+def merge_attention_states(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
+) -> Tuple[Tensor, Tensor]:
     """Combines two partial attentions over disjoint keys; returns (out, lse)."""
     return _ops.merge_attention_states.default(out_a, lse_a, out_b, lse_b)
 
@@ -166,7 +199,9 @@ def _merge_backward(ctx, grad_out, grad_lse):
         weight = torch.where(lse_x == float("-inf"), 0.0, torch.exp(lse_x - lse))
         spread = (grad_out * (out_x - out)).sum(-1).to(lse.dtype)
         grad_lse_x = torch.where(weight == 0, 0.0, weight * (spread + grad_lse))
-        grad_out_x = torch.where(weight[..., None] == 0, 0.0, weight[..., None].to(out.dtype) * grad_out)
+        grad_out_x = torch.where(
+            weight[..., None] == 0, 0.0, weight[..., None].to(out.dtype) * grad_out
+        )
         grads += [grad_out_x, grad_lse_x]
     return tuple(grads)
 

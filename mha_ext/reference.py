@@ -4,6 +4,7 @@ The tests compare the fused kernels against these run in float64, and use the sa
 the kernel's dtype to measure how far plain PyTorch lands from float64. The naive module is
 the seed tutorial's, with GQA by repeating K/V heads the textbook way.
 """
+
 from typing import Optional, Tuple
 
 import torch
@@ -34,7 +35,7 @@ def attention_reference(
     group = heads // kv_heads
     k = k.repeat_interleave(group, dim=1)  # (B, H, Sk, D)
     v = v.repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
 
     # Query i sits on key diagonal i + shift; the window keeps keys
@@ -71,8 +72,14 @@ class MultiHeadAttentionReference(nn.Module):
     extended to GQA/MQA by repeating K/V heads. Parameters match MultiHeadAttention's, so
     state dicts move between the two."""
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.1,
-                 num_kv_heads: Optional[int] = None, bias: bool = False):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dropout: float = 0.1,
+        num_kv_heads: Optional[int] = None,
+        bias: bool = False,
+    ):
         super().__init__()
         assert d_model % num_heads == 0
         self.d_model = d_model
@@ -95,7 +102,7 @@ class MultiHeadAttentionReference(nn.Module):
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
 
-        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k**0.5)
         if mask is not None:
             scores = scores.masked_fill(mask == 0, float("-inf"))
         attn = self.dropout(F.softmax(scores, dim=-1))

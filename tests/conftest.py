@@ -1,4 +1,5 @@
 """Shared helpers: the accuracy rule and input builders."""
+
 import pytest
 import torch
 
@@ -23,7 +24,9 @@ def assert_within_rule(actual, reference64, plain, factor, what):
     error = max_error(actual, reference64)
     plain_error = max_error(plain, reference64)
     magnitude = reference64.abs().max().item() if reference64.numel() else 0.0
-    accumulate_eps = torch.finfo(torch.float64 if actual.dtype == torch.float64 else torch.float32).eps
+    accumulate_eps = torch.finfo(
+        torch.float64 if actual.dtype == torch.float64 else torch.float32
+    ).eps
     allowed = factor * plain_error + ROUNDING_UNITS * accumulate_eps * max(magnitude, 1.0)
     assert error <= allowed, (
         f"{what}: max error {error:.3e} exceeds {allowed:.3e} "
@@ -31,8 +34,18 @@ def assert_within_rule(actual, reference64, plain, factor, what):
     )
 
 
-def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, head_dim_v=None, dtype=torch.float32,
-               layout="bhsd", seed=0):
+def random_qkv(
+    batch,
+    heads,
+    kv_heads,
+    seq_q,
+    seq_k,
+    head_dim,
+    head_dim_v=None,
+    dtype=torch.float32,
+    layout="bhsd",
+    seed=0,
+):
     """q, k, v as (B, H, S, D) tensors; layout "bshd" gives transposed views of
     (B, S, H, D) storage, as a model's projections produce."""
     generator = seeded_generator(seed)
@@ -43,7 +56,11 @@ def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, head_dim_v=None, 
             return torch.randn(batch, s, h, d, generator=generator).to(dtype).transpose(1, 2)
         return torch.randn(batch, h, s, d, generator=generator).to(dtype)
 
-    return make(heads, seq_q, head_dim), make(kv_heads, seq_k, head_dim), make(kv_heads, seq_k, head_dim_v)
+    return (
+        make(heads, seq_q, head_dim),
+        make(kv_heads, seq_k, head_dim),
+        make(kv_heads, seq_k, head_dim_v),
+    )
 
 
 def seeded_generator(seed):
@@ -54,15 +71,25 @@ def seeded_generator(seed):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "cpu_only: tests CPU-specific behaviour (ISA builds, threads, resident memory); not rerun on CUDA")
-    config.addinivalue_line("markers", "cuda_only: tests CUDA-specific behaviour (streams, graphs, kernel choice)")
+        "markers",
+        "cpu_only: tests CPU-specific behaviour (ISA builds, threads, resident memory); "
+        "not rerun on CUDA",
+    )
+    config.addinivalue_line(
+        "markers", "cuda_only: tests CUDA-specific behaviour (streams, graphs, kernel choice)"
+    )
 
 
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True, params=[
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_AVAILABLE, reason="no CUDA device"))])
+@pytest.fixture(
+    autouse=True,
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_AVAILABLE, reason="no CUDA device")),
+    ],
+)
 def device(request):
     """Every test runs once per device. On CUDA, torch's default device is the GPU for the
     test, so the same test code, references and tolerances check the CUDA kernels."""

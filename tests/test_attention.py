@@ -1,4 +1,5 @@
 """Fused attention against the float64 reference: forward, backward, layouts, masks."""
+
 import pytest
 import torch
 
@@ -55,7 +56,9 @@ def as_dtype(kwargs, dtype):
 
 def check_forward(q, k, v, kwargs):
     out, lse = mha_ext.attention(q, k, v, return_lse=True, **kwargs)
-    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), **as_dtype(kwargs, torch.float64))
+    ref, ref_lse = attention_reference(
+        q.double(), k.double(), v.double(), **as_dtype(kwargs, torch.float64)
+    )
     plain, _ = attention_reference(q, k, v, **kwargs)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert_within_rule(out, ref, plain, OUTPUT_FACTOR, "output")
@@ -89,7 +92,8 @@ def check_backward(q, k, v, kwargs):
     _, grads = gradients(lambda *t: mha_ext.attention(*t, **kwargs), (q, k, v), grad_out)
     _, ref_grads = gradients(
         lambda *t: attention_reference(*t, **as_dtype(kwargs, torch.float64))[0],
-        (q.double(), k.double(), v.double()), grad_out.double(),
+        (q.double(), k.double(), v.double()),
+        grad_out.double(),
     )
     _, plain_grads = gradients(lambda *t: attention_reference(*t, **kwargs)[0], (q, k, v), grad_out)
     for name, grad, ref, plain, like in zip("qkv", grads, ref_grads, plain_grads, (q, k, v)):
@@ -97,7 +101,12 @@ def check_backward(q, k, v, kwargs):
         assert_within_rule(grad, ref, plain, GRAD_FACTOR, f"grad_{name}")
 
 
-BACKWARD_SHAPES = [(1, 1, 1, 64, 64), (2, 17, 17, 40, 40), (1, 113, 203, 80, 80), (1, 130, 70, 128, 64)]
+BACKWARD_SHAPES = [
+    (1, 1, 1, 64, 64),
+    (2, 17, 17, 40, 40),
+    (1, 113, 203, 80, 80),
+    (1, 130, 70, 128, 64),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -180,7 +189,7 @@ def test_rows_no_key_reaches_get_zero_grad_q_whatever_memory_they_get(dtype):
     for _ in range(3):
         poison = [torch.full_like(q, float("nan")) for _ in range(32)]
         del poison
-        grad_q, = torch.autograd.grad(out, leaves[0], grad_out, retain_graph=True)
+        (grad_q,) = torch.autograd.grad(out, leaves[0], grad_out, retain_graph=True)
         assert (grad_q[:, :, :160] == 0).all()
         assert torch.isfinite(grad_q).all()
 
@@ -194,7 +203,9 @@ def test_lse_gradient_flows():
         return out.sum() + (lse * weights).sum()
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    loss(lambda *t: mha_ext.attention(*t, causal="bottom_right", return_lse=True), *leaves).backward()
+    loss(
+        lambda *t: mha_ext.attention(*t, causal="bottom_right", return_lse=True), *leaves
+    ).backward()
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     loss(lambda *t: attention_reference(*t, causal="bottom_right"), *ref_leaves).backward()
     for leaf, ref in zip(leaves, ref_leaves):
@@ -217,7 +228,9 @@ def test_graph_is_recorded_only_when_an_input_needs_grad(needs_grad):
         with torch.no_grad():  # grad mode off: no graph even for inputs that need grad
             assert mha_ext.attention(inputs["q"], inputs["k"], inputs["v"]).grad_fn is None
     with torch.inference_mode():
-        torch.testing.assert_close(mha_ext.attention(q, k, v).double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            mha_ext.attention(q, k, v).double(), expected, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_fp64_lse_is_fp64():
@@ -303,7 +316,12 @@ def test_bf16_outputs_keep_subnormal_values():
     k = torch.randn(1, 2, seq_k, 64).bfloat16()
     value = torch.tensor(2e-38).bfloat16()
     signs = torch.tensor([1.0] * 46 + [-1.0] * 44)
-    v = (signs[:, None] * value.float()).expand(seq_k, 64).reshape(1, 1, seq_k, 64).expand(1, 2, seq_k, 64)
+    v = (
+        (signs[:, None] * value.float())
+        .expand(seq_k, 64)
+        .reshape(1, 1, seq_k, 64)
+        .expand(1, 2, seq_k, 64)
+    )
     out = mha_ext.attention(q, k, v.bfloat16().contiguous())
     expected = 2 * value.double() / seq_k
     assert 0 < expected < 1.17e-38
@@ -311,7 +329,11 @@ def test_bf16_outputs_keep_subnormal_values():
     assert (out.double() - expected).abs().max() <= 9.2e-41  # one bf16 subnormal step
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 0), (2, 4, 2, 0, 7), (0, 4, 2, 5, 7)], ids=["no_keys", "no_queries", "no_batch"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 5, 0), (2, 4, 2, 0, 7), (0, 4, 2, 5, 7)],
+    ids=["no_keys", "no_queries", "no_batch"],
+)
 def test_empty_dimensions(shape):
     batch, heads, kv_heads, seq_q, seq_k = shape
     q, k, v = random_qkv(batch, heads, kv_heads, seq_q, seq_k, 16)
@@ -350,7 +372,9 @@ def test_results_do_not_depend_on_the_thread_count(threads):
     for grad, expected in zip(other[2], baseline[2]):
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
     # Paged attention splits long contexts by the thread count too.
-    q2, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([100, 2000], [3, 1], 8, 1, 64, 16)
+    q2, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(
+        [100, 2000], [3, 1], 8, 1, 64, 16
+    )
     expected = mha_ext.paged_attention(q2, k_cache, v_cache, tables, seq_lens, cu)
     torch.set_num_threads(threads)
     try:
@@ -362,8 +386,11 @@ def test_results_do_not_depend_on_the_thread_count(threads):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kv_heads, kwargs", [(2, {"causal": "bottom_right"}), (1, {"window": (20, 0)})],
-                         ids=["causal", "window_one_kv_head"])
+@pytest.mark.parametrize(
+    "kv_heads, kwargs",
+    [(2, {"causal": "bottom_right"}), (1, {"window": (20, 0)})],
+    ids=["causal", "window_one_kv_head"],
+)
 def test_backward_does_not_depend_on_earlier_calls(dtype, kv_heads, kwargs):
     # The CPU backward keeps its workspaces (dQ partial sums, bf16's Q^T and dO^T) between
     # calls, uncleared: a call after a larger one, whose data is still in them, must give the

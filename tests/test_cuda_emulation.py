@@ -3,6 +3,7 @@ sources and op bodies (csrc/cuda), every thread of a block a fiber with real bar
 shuffles, the tensor-core MMA emulated with its PTX fragment layout. It checks index math,
 fragment layouts, masking, dropout and barriers where no GPU is available; speed and races
 between blocks need the GPU run (benchmarks/gpu_check.sh)."""
+
 import os
 import sys
 from pathlib import Path
@@ -48,27 +49,47 @@ def emulated(tmp_path_factory):
     sources.append(str(ROOT / "csrc" / "ops" / "tensor_checks.cpp"))
     sources.append(str(EMULATION / "binding.cpp"))
     return cpp_extension.load(
-        "mha_ext_emulated_cuda", sources, build_directory=str(build),
-        extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "csrc" / "include"), str(EMULATION), str(CUDA_INCLUDE)],
-        extra_cflags=["-O1", "-std=c++20", "-Wno-attributes"], verbose=False)
+        "mha_ext_emulated_cuda",
+        sources,
+        build_directory=str(build),
+        extra_include_paths=[
+            str(ROOT / "csrc"),
+            str(ROOT / "csrc" / "include"),
+            str(EMULATION),
+            str(CUDA_INCLUDE),
+        ],
+        extra_cflags=["-O1", "-std=c++20", "-Wno-attributes"],
+        verbose=False,
+    )
 
 
 MASKINGS = {
     "none": dict(window_left=-1, window_right=-1, bottom_right=False),
     "causal_bottom_right": dict(window_left=-1, window_right=0, bottom_right=True),
-    "window": dict(window_left=9, window_right=3, bottom_right=True),  # a window aligns bottom-right
+    "window": dict(
+        window_left=9, window_right=3, bottom_right=True
+    ),  # a window aligns bottom-right
 }
 
 
 def run_both(emulated, q, k, v, mask=None, seed=None, dropout_p=0.0, masking="none"):
     """Forward and backward through the emulated CUDA ops and the CPU ops, same inputs."""
     window = MASKINGS[masking]
-    args = (mask, seed, dropout_p, q.shape[-1] ** -0.5, window["window_left"], window["window_right"],
-            window["bottom_right"])
+    args = (
+        mask,
+        seed,
+        dropout_p,
+        q.shape[-1] ** -0.5,
+        window["window_left"],
+        window["window_right"],
+        window["bottom_right"],
+    )
     grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=seeded_generator(3)).to(q.dtype)
     results = {}
-    for name, forward, backward in (("emulated", emulated.attention_forward, emulated.attention_backward),
-                                    ("cpu", torch.ops.mha_ext.attention_forward, torch.ops.mha_ext.attention_backward)):
+    for name, forward, backward in (
+        ("emulated", emulated.attention_forward, emulated.attention_backward),
+        ("cpu", torch.ops.mha_ext.attention_forward, torch.ops.mha_ext.attention_backward),
+    ):
         out, lse = forward(q, k, v, *args)
         grads = backward(grad_out, None, q, k, v, out, lse, *args)
         results[name] = (out, lse, *grads)
@@ -83,8 +104,15 @@ def test_attention_matches_the_reference(emulated, kernels, dtype, masking, monk
     monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
     q, k, v = random_qkv(1, 4, 2, 70, 90, 64, dtype=dtype)
     window = MASKINGS[masking]
-    kwargs = {"causal": "bottom_right"} if masking == "causal_bottom_right" else (
-        {"window": (window["window_left"], window["window_right"])} if masking == "window" else {})
+    kwargs = (
+        {"causal": "bottom_right"}
+        if masking == "causal_bottom_right"
+        else (
+            {"window": (window["window_left"], window["window_right"])}
+            if masking == "window"
+            else {}
+        )
+    )
     results = run_both(emulated, q, k, v, masking=masking)
     out, lse, grad_q, grad_k, grad_v = results["emulated"]
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -114,15 +142,21 @@ def test_generic_kernels_agree_with_the_cpu_in_full_precision(emulated, dtype):
 def test_dropout_uses_the_cpu_mask(emulated, kernels, monkeypatch):
     monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
     seed = torch.tensor([4242], dtype=torch.int64)
-    assert torch.equal(emulated.dropout_mask(seed, 2, 3, 37, 45, 0.3), torch.ops.mha_ext.dropout_mask(seed, 2, 3, 37, 45, 0.3))
+    assert torch.equal(
+        emulated.dropout_mask(seed, 2, 3, 37, 45, 0.3),
+        torch.ops.mha_ext.dropout_mask(seed, 2, 3, 37, 45, 0.3),
+    )
     q, k, v = random_qkv(1, 2, 2, 40, 72, 64, dtype=torch.bfloat16)
     results = run_both(emulated, q, k, v, seed=seed, dropout_p=0.3, masking="window")
-    for got, expected, name in zip(results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]):
+    for got, expected, name in zip(
+        results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]
+    ):
         torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2, msg=name)
 
 
 def test_paged_ops_match_the_cpu(emulated):
     from test_paged import build_paged
+
     # GQA 8 query / 2 kv heads, decode and a prefill chunk. With 1 "SM" the 4 (sequence, kv
     # head) blocks fill the GPU and the keys stay whole; with 64 they split in 2 and merge.
     q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([9, 600], [1, 20], 8, 2, 32, 16)
@@ -130,7 +164,9 @@ def test_paged_ops_match_the_cpu(emulated):
     for num_sms in (1, 64):
         emulated.set_multiprocessor_count(num_sms)
         out, lse = emulated.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.25)
-        expected, expected_lse = torch.ops.mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.25)
+        expected, expected_lse = torch.ops.mha_ext.paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, cu, 0.25
+        )
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
@@ -142,10 +178,17 @@ def test_paged_ops_match_the_cpu(emulated):
     torch.ops.mha_ext.paged_kv_append(key, value, k_cache, v_cache, keep)
     assert torch.equal(emulated_k, k_cache) and torch.equal(emulated_v, v_cache)
 
-    out_a, lse_a, out_b, lse_b = torch.randn(3, 5, 16), torch.randn(3, 5), torch.randn(3, 5, 16), torch.randn(3, 5)
+    out_a, lse_a, out_b, lse_b = (
+        torch.randn(3, 5, 16),
+        torch.randn(3, 5),
+        torch.randn(3, 5, 16),
+        torch.randn(3, 5),
+    )
     lse_b[0] = float("-inf")
-    for got, expected in zip(emulated.merge_attention_states(out_a, lse_a, out_b, lse_b),
-                             torch.ops.mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b)):
+    for got, expected in zip(
+        emulated.merge_attention_states(out_a, lse_a, out_b, lse_b),
+        torch.ops.mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b),
+    ):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -162,7 +205,9 @@ def test_head_dim_128_masks_and_fully_masked_rows(emulated, kernels, mask_kind, 
     else:
         mask = torch.randn(1, 8, 80, 40, generator=seeded_generator(2)).to(torch.bfloat16)
     results = run_both(emulated, q, k, v, mask=mask, masking="causal_bottom_right")
-    for got, expected, name in zip(results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]):
+    for got, expected, name in zip(
+        results["emulated"], results["cpu"], ["out", "lse", "dq", "dk", "dv"]
+    ):
         assert torch.isfinite(got).all() or name == "lse", name
         torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2, msg=name)
     out, lse = results["emulated"][:2]
@@ -183,11 +228,15 @@ def test_generic_kernels_wide_head_dims(emulated, head_dim):
 def test_paged_mqa_groups_wider_than_a_row_tile(emulated, block_size):
     # 32 query heads on one kv head: a query's rows span two 16-row tiles; bf16 cache.
     from test_paged import build_paged
-    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([5, 40], [2, 3], 32, 1, 64, block_size,
-                                                                  dtype=torch.bfloat16)
+
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(
+        [5, 40], [2, 3], 32, 1, 64, block_size, dtype=torch.bfloat16
+    )
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     emulated.set_multiprocessor_count(8)
     out, lse = emulated.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.125)
-    expected, expected_lse = torch.ops.mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.125)
+    expected, expected_lse = torch.ops.mha_ext.paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, cu, 0.125
+    )
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)

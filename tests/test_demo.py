@@ -1,5 +1,6 @@
 """The demo and the benchmark entry points run end to end. Their timings are not checked
 (tests never assert a time); the structure of what they report is."""
+
 import json
 import subprocess
 import sys
@@ -18,20 +19,55 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_trains_generates_and_compares():
-    result = subprocess.run([sys.executable, "-m", "mha_ext", "--steps", "12", "--quick"],
-                            capture_output=True, text=True, check=True)
-    losses = [float(line.split()[-1]) for line in result.stdout.splitlines() if line.strip().startswith("step")]
+    result = subprocess.run(
+        [sys.executable, "-m", "mha_ext", "--steps", "12", "--quick"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    losses = [
+        float(line.split()[-1])
+        for line in result.stdout.splitlines()
+        if line.strip().startswith("step")
+    ]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert result.stdout.count("' -> '") == 3  # one continuation per prompt
-    assert "mha_ext / torch_sdpa" in result.stdout and "gpt2-small float32 S=256 causal" in result.stdout
+    assert (
+        "mha_ext / torch_sdpa" in result.stdout
+        and "gpt2-small float32 S=256 causal" in result.stdout
+    )
 
 
 def test_bench_suites_write_json_and_tables(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "mha_ext.bench", "--suite", "forward", "gqa_prefill", "paged_decode", "cache_append",
-         "--models", "gpt2-small", "--seq", "128", "--context", "64", "--append-context", "64", "256",
-         "--dtype", "float32", "--repeats", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "mha_ext.bench",
+            "--suite",
+            "forward",
+            "gqa_prefill",
+            "paged_decode",
+            "cache_append",
+            "--models",
+            "gpt2-small",
+            "--seq",
+            "128",
+            "--context",
+            "64",
+            "--append-context",
+            "64",
+            "256",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["roofline"]) == {"matmul_float32", "stream_read"}
@@ -43,35 +79,85 @@ def test_bench_suites_write_json_and_tables(tmp_path):
     for entry in data["results"]:
         assert "mha_ext" in entry["results"] and entry["baseline"] in entry["results"]
         mha = entry["results"]["mha_ext"]
-        assert mha["throughput"] > 0 and mha["roofline_fraction"] > 0 and mha["speedup_vs_baseline"] > 0
+        assert (
+            mha["throughput"] > 0
+            and mha["roofline_fraction"] > 0
+            and mha["speedup_vs_baseline"] > 0
+        )
     for entry in data["results"]:
-        if entry["suite"] == "paged_decode":  # steps cycle through layers twice the CPU cache's size
+        if (
+            entry["suite"] == "paged_decode"
+        ):  # steps cycle through layers twice the CPU cache's size
             shape = entry["params"]
-            layer_bytes = 2 * shape["batch"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * 4
+            layer_bytes = (
+                2 * shape["batch"] * shape["kv_heads"] * shape["context"] * shape["head_dim"] * 4
+            )
             assert shape["layers"] >= 1 and shape["layers"] * layer_bytes >= 2 * cpu_cache_bytes()
-    for title in ("attention forward (GFLOP/s)", "paged decode (K/V read per step) (GB/s)", "us per token at context 64",
-                  "stream_read = ", "(with the cases: ", "(with the case: "):
+    for title in (
+        "attention forward (GFLOP/s)",
+        "paged decode (K/V read per step) (GB/s)",
+        "us per token at context 64",
+        "stream_read = ",
+        "(with the cases: ",
+        "(with the case: ",
+    ):
         assert title in result.stdout
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "forward.png").stat().st_size > 0 and (tmp_path / "cache_append.png").stat().st_size > 0
+    assert (tmp_path / "forward.png").stat().st_size > 0 and (
+        tmp_path / "cache_append.png"
+    ).stat().st_size > 0
 
 
 def test_kv_cache_script_runs_the_cache_suites(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_cache.py"), "--context", "64", "--append-context", "64",
-                    "--dtype", "bfloat16", "--repeats", "1", "--no-plots", "--out", str(tmp_path)],
-                   capture_output=True, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "kv_cache.py"),
+            "--context",
+            "64",
+            "--append-context",
+            "64",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        check=True,
+    )
     suites = {r["suite"] for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     assert suites == {"cache_append", "paged_decode"}
 
 
 def test_call_overhead_suite_times_every_small_shape(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mha_ext.bench", "--suite", "call_overhead",
-                             "--dtype", "float32", "--repeats", "1", "--no-plots",
-                             "--out", str(tmp_path)],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_ext.bench",
+            "--suite",
+            "call_overhead",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["label"] for r in data["results"]] == [
-        "(1, 1, 1, 64) float32", "(1, 12, 16, 64) float32", "(1, 12, 128, 64) float32"]
+        "(1, 1, 1, 64) float32",
+        "(1, 12, 16, 64) float32",
+        "(1, 12, 128, 64) float32",
+    ]
     for entry in data["results"]:
         assert entry["suite"] == "call_overhead" and entry["baseline"] == "torch_sdpa"
         assert entry["results"]["mha_ext"]["speedup_vs_baseline"] > 0
@@ -84,14 +170,16 @@ def test_call_overhead_suite_times_every_small_shape(tmp_path):
 def test_call_overhead_steps_are_timed_per_call(monkeypatch):
     # Each step makes CALLS_PER_STEP calls; a fake median of 0.02 s per step is 0.1 ms per call.
     calls = []
-    monkeypatch.setattr(suites.functional, "scaled_dot_product_attention",
-                        lambda *args, **kwargs: calls.append(1))
+    monkeypatch.setattr(
+        suites.functional, "scaled_dot_product_attention", lambda *args, **kwargs: calls.append(1)
+    )
     case = suites._call_overhead_case(2, 16, 32, torch.float32, torch.device("cpu"))
     case.steps["mha_ext"]()
     assert len(calls) == suites.CALLS_PER_STEP == 200
     assert not case.interleave  # timed apart: see _call_overhead_case
-    monkeypatch.setattr(suites, "median_seconds",
-                        lambda steps, warmup, repeats, device: dict.fromkeys(steps, 0.02))
+    monkeypatch.setattr(
+        suites, "median_seconds", lambda steps, warmup, repeats, device: dict.fromkeys(steps, 0.02)
+    )
     result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
     for name in ("mha_ext", "torch_sdpa", "naive"):
         entry = result["results"][name]
@@ -111,7 +199,9 @@ def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cach
             step()
     # mha_ext's steps read each layer's cache in turn.
     key_caches = []
-    monkeypatch.setattr(suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache))
+    monkeypatch.setattr(
+        suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
+    )
     for _ in range(2 * layers):
         case.steps["mha_ext"]()
     pointers = [k_cache.data_ptr() for k_cache in key_caches]
@@ -121,16 +211,22 @@ def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cach
 @pytest.mark.parametrize("matmul_gflops, naive_timed", [(1000.0, True), (0.0001, False)])
 def test_naive_attention_is_timed_only_where_its_matmuls_are_quick(matmul_gflops, naive_timed):
     # S 64, D 32, 2 heads: 1.05 MFLOP, 10 s at 0.0001 GFLOP/s (over NAIVE_MAX_SECONDS).
-    case = suites.attention_case("forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu"))
+    case = suites.attention_case(
+        "forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu")
+    )
     calls = []
     naive_step = case.steps["naive"]
     case.steps["naive"] = lambda: calls.append(1) or naive_step()
-    result = suites.run_case(case, {"matmul_float32": matmul_gflops}, torch.device("cpu"), repeats=1)
+    result = suites.run_case(
+        case, {"matmul_float32": matmul_gflops}, torch.device("cpu"), repeats=1
+    )
     assert ("naive" in result["results"]) == naive_timed
     assert ("naive" in result["unsupported"]) != naive_timed
     assert bool(calls) == naive_timed
     if not naive_timed:
-        assert result["unsupported"]["naive"].startswith("not timed: its matmuls alone take 10 s per call")
+        assert result["unsupported"]["naive"].startswith(
+            "not timed: its matmuls alone take 10 s per call"
+        )
     assert "mha_ext" in result["results"] and "torch_sdpa" in result["results"]
 
 
@@ -138,9 +234,16 @@ def test_naive_attention_is_timed_only_where_its_matmuls_are_quick(matmul_gflops
 def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, interleave):
     # Fake clocks: each step's median is its fixed time, the probe's 2 s for 4 GFLOP (2 GFLOP/s,
     # against 1000 at the run's start); the steps' call order shows the interleaving.
-    case = suites.attention_case("forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu"))
+    case = suites.attention_case(
+        "forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu")
+    )
     case.interleave = interleave
-    step_seconds = {"mha_ext": 0.001, "torch_sdpa": 0.002, "naive": 0.004, suites.ROOFLINE_PROBE: 2.0}
+    step_seconds = {
+        "mha_ext": 0.001,
+        "torch_sdpa": 0.002,
+        "naive": 0.004,
+        suites.ROOFLINE_PROBE: 2.0,
+    }
     calls = []
 
     def fake_median_seconds(steps, warmup, repeats, device):
@@ -150,8 +253,13 @@ def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, inte
 
     monkeypatch.setattr(suites, "median_seconds", fake_median_seconds)
     probe = roofline.Probe(lambda: None, 4e9)
-    result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1,
-                             probes={"matmul_float32": probe, "stream_read": roofline.Probe(lambda: None, 1.0)})
+    result = suites.run_case(
+        case,
+        {"matmul_float32": 1000.0},
+        torch.device("cpu"),
+        repeats=1,
+        probes={"matmul_float32": probe, "stream_read": roofline.Probe(lambda: None, 1.0)},
+    )
     assert result["roofline_rate"] == pytest.approx(2.0)
     assert suites.ROOFLINE_PROBE not in result["results"]
     mha = result["results"]["mha_ext"]
@@ -160,7 +268,9 @@ def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, inte
     assert calls == ["mha_ext", "torch_sdpa", "naive", suites.ROOFLINE_PROBE]
     without = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
     assert without["roofline_rate"] == 1000.0
-    assert without["results"]["mha_ext"]["roofline_fraction"] == pytest.approx(case.work / 0.001 / 1e9 / 1000.0)
+    assert without["results"]["mha_ext"]["roofline_fraction"] == pytest.approx(
+        case.work / 0.001 / 1e9 / 1000.0
+    )
 
 
 @pytest.mark.parametrize("slow_from, sizes", [(512, [256, 512]), (None, [256, 512, 1024])])
@@ -170,7 +280,7 @@ def test_matmul_roofline_grows_the_size_until_a_call_is_slow(monkeypatch, slow_f
     monkeypatch.setattr(torch, "matmul", lambda a, b: called.append(a.shape[0]))
 
     def fake_median_seconds(steps, warmup, repeats, device):
-        (name, step), = steps.items()
+        ((name, step),) = steps.items()
         step()
         slow = slow_from is not None and called[-1] >= slow_from
         return {name: 0.08 if slow else 0.001}

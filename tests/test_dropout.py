@@ -1,5 +1,6 @@
 """Fused dropout: keep rate, reproducibility, the mask the kernels apply, and gradients that
 use the same regenerated mask."""
+
 import math
 
 import pytest
@@ -58,7 +59,11 @@ def test_manual_seed_makes_dropout_reproducible():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kwargs", [{}, {"causal": "bottom_right"}, {"window": (20, 3)}], ids=["plain", "causal", "window"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"causal": "bottom_right"}, {"window": (20, 3)}],
+    ids=["plain", "causal", "window"],
+)
 def test_forward_and_gradients_use_the_regenerated_mask(dtype, kwargs, device):
     dropout_p = 0.25
     # 301 query rows: more than one chunk of the bf16 backward's dK / dV products (4 blocks).
@@ -79,9 +84,15 @@ def test_forward_and_gradients_use_the_regenerated_mask(dtype, kwargs, device):
         lambda *t: attention_reference(*t, dropout_keep=keep, dropout_p=dropout_p, **kwargs)[0],
         (q.double(), k.double(), v.double()),
     )
-    plain = run(lambda *t: attention_reference(*t, dropout_keep=keep, dropout_p=dropout_p, **kwargs)[0], (q, k, v))
+    plain = run(
+        lambda *t: attention_reference(*t, dropout_keep=keep, dropout_p=dropout_p, **kwargs)[0],
+        (q, k, v),
+    )
     for name, actual, ref, pl, factor in zip(
-        ["out", "grad_q", "grad_k", "grad_v"], fused, reference, plain,
+        ["out", "grad_q", "grad_k", "grad_v"],
+        fused,
+        reference,
+        plain,
         [OUTPUT_FACTOR, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR],
     ):
         assert_within_rule(actual, ref, pl, factor, name)

@@ -10,12 +10,14 @@ position, every slot no sequence owns holds NaN, and with q = 0 every score is 0
 query's output is the mean of the positions it sees and its logsumexp is the log of how
 many it sees. A key read twice, missed or past the query moves both.
 """
+
 import math
 
 import pytest
 import torch
 
 import mha_ext
+
 from conftest import seeded_generator
 
 HEAD_DIM = 16
@@ -35,7 +37,7 @@ def positional_cache(lengths, queries, heads, kv_heads, block_size, dtype):
     tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
     used = 0
     for b, n in enumerate(lengths):
-        tables[b, : blocks_per_seq[b]] = order[used: used + blocks_per_seq[b]].int()
+        tables[b, : blocks_per_seq[b]] = order[used : used + blocks_per_seq[b]].int()
         used += blocks_per_seq[b]
         keys = torch.randn(n, kv_heads, HEAD_DIM, generator=seeded_generator(b)).to(dtype)
         values = torch.arange(n, dtype=dtype)[:, None, None]  # (n, 1, 1): row p holds p
@@ -73,8 +75,9 @@ def test_each_query_sees_exactly_the_keys_up_to_itself(mode, block_size, heads, 
     out, lse = mha_ext.paged_attention(*inputs, return_lse=True)
     position = query_positions(LENGTHS, queries)[:, None].double()  # (total_q, 1)
     # Keys 0..position, each with weight 1 / (position + 1).
-    torch.testing.assert_close(lse.double(), torch.log(position + 1).expand_as(lse),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        lse.double(), torch.log(position + 1).expand_as(lse), rtol=0, atol=1e-5
+    )
     expected = (position / 2)[:, :, None].expand_as(out)
     # bf16 rows hold positions rounded to 8 significant bits, the output a rounded mean.
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
@@ -89,7 +92,8 @@ def test_each_position_is_read_from_its_own_slot(block_size, threads):
     positions = query_positions(lengths, queries)
     for marked in sorted({0, block_size - 1, block_size, 299, 1000, 2099}):
         q, k_cache, v_cache, tables, seq_lens, cu = positional_cache(
-            lengths, queries, 4, 2, block_size, torch.float32)
+            lengths, queries, 4, 2, block_size, torch.float32
+        )
         q[:, :, 0] = 1.0
         k_cache[..., 0] = torch.where(k_cache[..., 0].isnan(), k_cache[..., 0], 0.0)
         for b, n in enumerate(lengths):
@@ -100,9 +104,13 @@ def test_each_position_is_read_from_its_own_slot(block_size, threads):
         out = mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, scale=1.0)
         sees_marked = positions >= marked
         expected = torch.where(sees_marked, float(marked), positions / 2).double()
-        torch.testing.assert_close(out[:, :, 0].double(), expected[:, None].expand(-1, 4),
-                                   rtol=1e-5, atol=1e-4,
-                                   msg=lambda m: f"marked position {marked}: {m}")
+        torch.testing.assert_close(
+            out[:, :, 0].double(),
+            expected[:, None].expand(-1, 4),
+            rtol=1e-5,
+            atol=1e-4,
+            msg=lambda m: f"marked position {marked}: {m}",
+        )
 
 
 def test_split_key_ranges_take_every_key_once():

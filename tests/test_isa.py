@@ -1,5 +1,6 @@
 """Run-time CPU ISA dispatch: build_info, the MHA_EXT_CPU_ISA override, every ISA this CPU can
 run passing the accuracy tests, and the ISA builds keeping their instructions to themselves."""
+
 import os
 import platform
 import re
@@ -53,16 +54,18 @@ def test_unknown_isa_is_a_clear_error():
 # even head dim: the brgemm forward at avx512_bf16), the backward at one small shape (bf16's on
 # brgemm there), the fp64 gradchecks, dropout's forward and gradients, and paged attention with
 # a bf16 cache, decode and up to 9 queries (the bf16 dot products of avx512_bf16's direct path).
-FORCED_ISA_SELECTION = " or ".join([
-    "active_isa_matches_environment",
-    "(forward_matches_reference and 113x203 and not h8kv8)",
-    "(backward_matches_reference and 17x17)",
-    "gradcheck",
-    "forward_and_gradients_use_the_regenerated_mask",
-    "(every_row_count_of_the_direct_path and bfloat16)",
-    "(decode_tasks_of_several_kv_heads and bfloat16 and 2-gqa)",
-    "paged_attention_dtypes",
-])
+FORCED_ISA_SELECTION = " or ".join(
+    [
+        "active_isa_matches_environment",
+        "(forward_matches_reference and 113x203 and not h8kv8)",
+        "(backward_matches_reference and 17x17)",
+        "gradcheck",
+        "forward_and_gradients_use_the_regenerated_mask",
+        "(every_row_count_of_the_direct_path and bfloat16)",
+        "(decode_tasks_of_several_kv_heads and bfloat16 and 2-gqa)",
+        "paged_attention_dtypes",
+    ]
+)
 # avx512 and avx512_bf16 are levels of one build that differ only in how they run bf16: forced
 # to the level the suite does not run on, the bf16 cases are the ones that take other paths.
 BUILD = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
@@ -84,10 +87,24 @@ def test_forced_isa_passes_the_accuracy_tests(isa):
     if BUILD[isa] == BUILD[info["cpu_isa"]]:
         selection = f"active_isa_matches_environment or (bfloat16 and ({FORCED_ISA_SELECTION}))"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
-         *(str(TESTS / name) for name in ("test_isa.py", "test_attention.py", "test_dropout.py",
-                                          "test_paged.py"))],
-        env={**os.environ, "MHA_EXT_CPU_ISA": isa}, capture_output=True, text=True, cwd=TESTS,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            selection,
+            *(
+                str(TESTS / name)
+                for name in ("test_isa.py", "test_attention.py", "test_dropout.py", "test_paged.py")
+            ),
+        ],
+        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     passed = re.search(r"(\d+) passed", result.stdout.splitlines()[-1])
@@ -102,9 +119,26 @@ BEYOND_BASELINE = re.compile(
     r"^(v(?!err$|erw$)\w+"
     r"|k(and|andn|mov|not|or|ortest|shiftl|shiftr|test|unpck|xnor|xor|add)[bwdq]"
     r"|andn|bextr|blsi|blsmsk|blsr|bzhi|lzcnt|tzcnt|mulx|pdep|pext|rorx|sarx|shlx|shrx"
-    r"|popcnt|movbe|crc32)$")
-PREFIXES = {"lock", "rep", "repz", "repe", "repnz", "repne", "bnd", "notrack", "data16", "addr32",
-            "cs", "ds", "es", "fs", "gs", "ss"}
+    r"|popcnt|movbe|crc32)$"
+)
+PREFIXES = {
+    "lock",
+    "rep",
+    "repz",
+    "repe",
+    "repnz",
+    "repne",
+    "bnd",
+    "notrack",
+    "data16",
+    "addr32",
+    "cs",
+    "ds",
+    "es",
+    "fs",
+    "gs",
+    "ss",
+}
 
 
 def compile_isa_build(source, obj):
@@ -117,8 +151,18 @@ def compile_isa_build(source, obj):
     shared headers' functions were all inlined, whatever namespace they were in).
     """
     includes = [ROOT / "csrc" / "include", ROOT / "csrc", *cpp_extension.include_paths()]
-    command = [os.environ.get("CXX", "c++"), "-Og", "-std=c++20", "-fPIC", "-fopenmp", "-w", "-c",
-               str(ROOT / "csrc" / "cpu" / "kernels" / source), "-o", str(obj)]
+    command = [
+        os.environ.get("CXX", "c++"),
+        "-Og",
+        "-std=c++20",
+        "-fPIC",
+        "-fopenmp",
+        "-w",
+        "-c",
+        str(ROOT / "csrc" / "cpu" / "kernels" / source),
+        "-o",
+        str(obj),
+    ]
     command += [f"-I{path}" for path in includes]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -132,8 +176,11 @@ def shared_code_beyond_baseline(obj, namespace):
     with external linkage outside `namespace` (C++ names, demangled)."""
     listing = output_of(["nm", "--defined-only", str(obj)])
     # T: global code, W: weak (inline functions, templates), i: indirect functions.
-    code = [fields[2] for fields in map(str.split, listing.splitlines())
-            if len(fields) == 3 and fields[1] in "TWi"]
+    code = [
+        fields[2]
+        for fields in map(str.split, listing.splitlines())
+        if len(fields) == 3 and fields[1] in "TWi"
+    ]
     demangled = output_of(["c++filt"], "\n".join(code)).splitlines()
     own = re.compile(rf"(^|[^\w]){namespace}::")
     shared = {symbol: name for symbol, name in zip(code, demangled) if not own.search(name)}
@@ -169,5 +216,7 @@ def test_isa_builds_share_only_code_every_cpu_runs(tmp_path):
     for source, namespace in builds.items():
         found = shared_code_beyond_baseline(tmp_path / f"{source}.o", namespace)
         problems += [f"{source}: {name} ({first})" for name, first in sorted(found.items())]
-    assert not problems, ("functions other builds could get, with instructions beyond x86-64's "
-                          "baseline:\n" + "\n".join(problems))
+    assert not problems, (
+        "functions other builds could get, with instructions beyond x86-64's "
+        "baseline:\n" + "\n".join(problems)
+    )

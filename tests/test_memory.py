@@ -1,4 +1,5 @@
 """The fused kernels never hold an O(Sq x Sk) buffer: measured in a fresh process."""
+
 import json
 import subprocess
 import sys
@@ -19,7 +20,17 @@ def test_peak_extra_memory_stays_below_half_a_score_matrix(tmp_path):
     # +60 MiB at S = 8192), so the length makes one matrix dwarf that noise.
     result_file = tmp_path / "memory.json"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--heads", "4", "--seq", "16384", "--causal", "--json", str(result_file)],
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--heads",
+            "4",
+            "--seq",
+            "16384",
+            "--causal",
+            "--json",
+            str(result_file),
+        ],
         check=True,
     )
     result = json.loads(result_file.read_text())

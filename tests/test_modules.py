@@ -1,4 +1,5 @@
 """MultiHeadAttention: seed compatibility, GQA/MQA, masks, weights, head masks, presets."""
+
 import pytest
 import torch
 
@@ -8,8 +9,12 @@ from mha_ext.reference import MultiHeadAttentionReference
 
 def pair(d_model=64, num_heads=8, num_kv_heads=None, bias=False):
     """A fused module and the naive reference module with the same weights."""
-    fused = mha_ext.MultiHeadAttention(d_model, num_heads, dropout=0.1, num_kv_heads=num_kv_heads, bias=bias)
-    naive = MultiHeadAttentionReference(d_model, num_heads, dropout=0.1, num_kv_heads=num_kv_heads, bias=bias)
+    fused = mha_ext.MultiHeadAttention(
+        d_model, num_heads, dropout=0.1, num_kv_heads=num_kv_heads, bias=bias
+    )
+    naive = MultiHeadAttentionReference(
+        d_model, num_heads, dropout=0.1, num_kv_heads=num_kv_heads, bias=bias
+    )
     naive.load_state_dict(fused.state_dict())
     return fused.eval(), naive.eval()
 
@@ -42,7 +47,9 @@ def test_is_causal_equals_lower_triangular_mask():
     fused, _ = pair()
     x = torch.randn(2, 12, 64)
     tril = torch.tril(torch.ones(12, 12))
-    torch.testing.assert_close(fused(x, x, x, is_causal=True), fused(x, x, x, tril), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        fused(x, x, x, is_causal=True), fused(x, x, x, tril), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
@@ -56,7 +63,9 @@ def test_need_weights_returns_per_head_probabilities(num_kv_heads):
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 8, 7))
     assert (weights[0, :, :, 5:] == 0).all()
     # The weights are the ones the output was built from.
-    value = fused._split_heads(fused.w_v(x), fused.num_kv_heads).repeat_interleave(8 // fused.num_kv_heads, 1)
+    value = fused._split_heads(fused.w_v(x), fused.num_kv_heads).repeat_interleave(
+        8 // fused.num_kv_heads, 1
+    )
     rebuilt = fused.w_o((weights @ value).transpose(1, 2).reshape(2, 7, 64))
     torch.testing.assert_close(rebuilt, out, rtol=1e-5, atol=1e-5)
 
@@ -71,7 +80,7 @@ def test_head_mask_switches_heads_off():
     # Zeroing head 3 equals zeroing its slice of the output projection's input.
     pruned = torch.nn.Linear(64, 64, bias=False)
     pruned.weight.data = fused.w_o.weight.data.clone()
-    pruned.weight.data[:, 3 * 8:4 * 8] = 0
+    pruned.weight.data[:, 3 * 8 : 4 * 8] = 0
     full_out = fused.w_o
     fused.w_o = pruned
     expected = fused(x, x, x)
@@ -124,6 +133,11 @@ def test_training_step_reduces_loss():
 )
 def test_presets(name, d_model, heads, kv_heads, head_dim):
     layer = mha_ext.MultiHeadAttention.from_preset(name, device="meta")
-    assert (layer.d_model, layer.num_heads, layer.num_kv_heads, layer.d_k) == (d_model, heads, kv_heads, head_dim)
+    assert (layer.d_model, layer.num_heads, layer.num_kv_heads, layer.d_k) == (
+        d_model,
+        heads,
+        kv_heads,
+        head_dim,
+    )
     assert layer.w_k.weight.shape == (kv_heads * head_dim, d_model)
     assert mha_ext.PRESETS[name].head_dim == head_dim

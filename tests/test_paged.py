@@ -1,4 +1,5 @@
 """Paged KV cache: in-place append, paged attention, state merging, allocator, generation."""
+
 import gc
 import sys
 
@@ -12,10 +13,20 @@ from mha_ext.reference import attention_reference
 from conftest import OUTPUT_FACTOR, assert_within_rule, seeded_generator
 
 
-def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, layout="HND", fill=None):
+def make_cache(
+    num_blocks, kv_heads, block_size, head_dim, dtype=torch.float32, layout="HND", fill=None
+):
     generator = seeded_generator(5)
-    shape = (num_blocks, kv_heads, block_size, head_dim) if layout == "HND" else (num_blocks, block_size, kv_heads, head_dim)
-    cache = torch.randn(shape, generator=generator).to(dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    shape = (
+        (num_blocks, kv_heads, block_size, head_dim)
+        if layout == "HND"
+        else (num_blocks, block_size, kv_heads, head_dim)
+    )
+    cache = (
+        torch.randn(shape, generator=generator).to(dtype)
+        if fill is None
+        else torch.full(shape, fill, dtype=dtype)
+    )
     return cache if layout == "HND" else cache.transpose(1, 2)
 
 
@@ -57,7 +68,10 @@ def test_out_of_range_slot_raises_and_changes_nothing(bad_slot, host_index_check
     k_cache, v_cache = make_cache(4, 2, 4, 8), make_cache(4, 2, 4, 8)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([0, 1, bad_slot, 2])
-    with pytest.raises(RuntimeError, match=rf"slot_mapping\[2\] = {bad_slot} is outside the cache's 16 slots \(4 blocks x 4\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"slot_mapping\[2\] = {bad_slot} is outside the cache's 16 slots \(4 blocks x 4\)",
+    ):
         mha_ext.paged_kv_append(torch.randn(4, 2, 8), torch.randn(4, 2, 8), k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(torch.int32), before_k.view(torch.int32))
     assert torch.equal(v_cache.view(torch.int32), before_v.view(torch.int32))
@@ -67,24 +81,41 @@ def test_append_argument_errors():
     k_cache, v_cache = make_cache(4, 2, 4, 8), make_cache(4, 2, 4, 8)
     key, value, slots = torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.tensor([0, 1, 2])
     append = mha_ext.paged_kv_append
-    with pytest.raises(RuntimeError, match=r"key and value have 3 and 2 kv heads but the cache has 2"):
+    with pytest.raises(
+        RuntimeError, match=r"key and value have 3 and 2 kv heads but the cache has 2"
+    ):
         append(torch.randn(3, 3, 8), value, k_cache, v_cache, slots)
     with pytest.raises(RuntimeError, match=r"key has head_dim 6 but k_cache has 8"):
         append(key[..., :6], value, k_cache, v_cache, slots)
-    with pytest.raises(RuntimeError, match=r"key has dtype torch.bfloat16 but k_cache has torch.float32"):
+    with pytest.raises(
+        RuntimeError, match=r"key has dtype torch.bfloat16 but k_cache has torch.float32"
+    ):
         append(key.bfloat16(), value, k_cache, v_cache, slots)
     with pytest.raises(RuntimeError, match=r"slot_mapping must be torch.int64, got torch.int32"):
         append(key, value, k_cache, v_cache, slots.int())
     with pytest.raises(RuntimeError, match=r"one entry per token, got 3, 3 and 2"):
         append(key, value, k_cache, v_cache, slots[:2])
-    with pytest.raises(RuntimeError, match=r"k_cache and v_cache must agree in \[num_blocks, num_kv_heads, block_size\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"k_cache and v_cache must agree in \[num_blocks, num_kv_heads, block_size\]",
+    ):
         append(key, value, k_cache, make_cache(5, 2, 4, 8), slots)
 
 
 # ---------------------------------------------------------------- paged attention
 
 
-def build_paged(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32, shuffle=True, seed=0):
+def build_paged(
+    lengths,
+    queries,
+    heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    shuffle=True,
+    seed=0,
+):
     """A cache holding sequences of the given lengths at scattered blocks, NaN everywhere
     else, plus the packed queries and the contiguous K/V of each sequence."""
     generator = seeded_generator(seed)
@@ -93,11 +124,15 @@ def build_paged(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=t
     k_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
     v_cache = make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, fill=float("nan"))
     # The shuffle draws from its own generator, so the data is the same either way.
-    order = torch.randperm(num_blocks, generator=seeded_generator(seed + 1)) if shuffle else torch.arange(num_blocks)
+    order = (
+        torch.randperm(num_blocks, generator=seeded_generator(seed + 1))
+        if shuffle
+        else torch.arange(num_blocks)
+    )
     tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
     keys, values, used = [], [], 0
     for b, n in enumerate(lengths):
-        tables[b, : blocks_per_seq[b]] = order[used: used + blocks_per_seq[b]].int()
+        tables[b, : blocks_per_seq[b]] = order[used : used + blocks_per_seq[b]].int()
         used += blocks_per_seq[b]
         k = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
         v = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
@@ -111,19 +146,28 @@ def build_paged(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=t
     return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), cu, keys, values
 
 
-def check_against_reference(lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32):
+def check_against_reference(
+    lengths, queries, heads, kv_heads, head_dim, block_size, dtype=torch.float32
+):
     q, k_cache, v_cache, tables, seq_lens, cu, keys, values = build_paged(
-        lengths, queries, heads, kv_heads, head_dim, block_size, dtype)
+        lengths, queries, heads, kv_heads, head_dim, block_size, dtype
+    )
     out, lse = mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, return_lse=True)
     assert out.shape == q.shape and lse.shape == q.shape[:2] and torch.isfinite(out).all()
     for b in range(len(lengths)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         # (tokens, heads, dim) -> (1, heads, tokens, dim)
         q_b, k_b, v_b = (t.transpose(0, 1)[None] for t in (q[rows], keys[b], values[b]))
-        ref, ref_lse = attention_reference(q_b.double(), k_b.double(), v_b.double(), causal="bottom_right")
+        ref, ref_lse = attention_reference(
+            q_b.double(), k_b.double(), v_b.double(), causal="bottom_right"
+        )
         plain, _ = attention_reference(q_b, k_b, v_b, causal="bottom_right")
-        assert_within_rule(out[rows].transpose(0, 1)[None], ref, plain, OUTPUT_FACTOR, f"sequence {b}")
-        torch.testing.assert_close(lse[rows].transpose(0, 1)[None].double(), ref_lse, rtol=1e-5, atol=1e-5)
+        assert_within_rule(
+            out[rows].transpose(0, 1)[None], ref, plain, OUTPUT_FACTOR, f"sequence {b}"
+        )
+        torch.testing.assert_close(
+            lse[rows].transpose(0, 1)[None].double(), ref_lse, rtol=1e-5, atol=1e-5
+        )
     return out
 
 
@@ -197,18 +241,24 @@ def test_nhd_cache_layout():
     assert not k_nhd.is_contiguous()
     torch.testing.assert_close(
         mha_ext.paged_attention(q, k_nhd, v_nhd, tables, seq_lens, cu),
-        mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu), rtol=0, atol=0,
+        mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu),
+        rtol=0,
+        atol=0,
     )
 
 
 def test_paged_attention_argument_errors(host_index_checks):
     q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
     attend = mha_ext.paged_attention
-    with pytest.raises(RuntimeError, match=r"the cache has 2 kv heads, which does not divide q's 3 heads"):
+    with pytest.raises(
+        RuntimeError, match=r"the cache has 2 kv heads, which does not divide q's 3 heads"
+    ):
         attend(q[:, :3], k_cache, v_cache, tables, seq_lens, cu)
     with pytest.raises(RuntimeError, match=r"q has head_dim 16 but k_cache has 32"):
         attend(q[..., :16].contiguous(), k_cache, v_cache, tables, seq_lens, cu)
-    with pytest.raises(RuntimeError, match=r"q has dtype torch.bfloat16 but k_cache has torch.float32"):
+    with pytest.raises(
+        RuntimeError, match=r"q has dtype torch.bfloat16 but k_cache has torch.float32"
+    ):
         attend(q.bfloat16(), k_cache, v_cache, tables, seq_lens, cu)
     with pytest.raises(RuntimeError, match=r"block_tables must be torch.int32, got torch.int64"):
         attend(q, k_cache, v_cache, tables.long(), seq_lens, cu)
@@ -216,16 +266,33 @@ def test_paged_attention_argument_errors(host_index_checks):
         attend(q, k_cache, v_cache, tables, seq_lens[:1], cu)
     bad_tables = tables.clone()
     bad_tables[1, 2] = 999
-    with pytest.raises(RuntimeError, match=r"block_tables\[1, 2\] = 999 is outside the cache's \d+ blocks"):
+    with pytest.raises(
+        RuntimeError, match=r"block_tables\[1, 2\] = 999 is outside the cache's \d+ blocks"
+    ):
         attend(q, k_cache, v_cache, bad_tables, seq_lens, cu)
-    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 80 exceeds what a block table row holds: 7 blocks x 8 = 56"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"seq_lens\[1\] = 80 exceeds what a block table row holds: 7 blocks x 8 = 56",
+    ):
         attend(q, k_cache, v_cache, tables, torch.tensor([20, 80], dtype=torch.int32), cu)
-    with pytest.raises(RuntimeError, match=r"cu_seqlens_q must not decrease, got cu_seqlens_q\[0\] = 0 > cu_seqlens_q\[1\] = -1"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cu_seqlens_q must not decrease, got cu_seqlens_q\[0\] = 0 > cu_seqlens_q\[1\] = -1",
+    ):
         attend(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, -1, 5], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match=r"cu_seqlens_q must start at 0 and end at total_q = 5, got 0 and 4"):
+    with pytest.raises(
+        RuntimeError, match=r"cu_seqlens_q must start at 0 and end at total_q = 5, got 0 and 4"
+    ):
         attend(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 1, 4], dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"sequence 0 has 3 queries but seq_lens\[0\] = 2"):
-        attend(q, k_cache, v_cache, tables, torch.tensor([2, 50], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32))
+        attend(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            torch.tensor([2, 50], dtype=torch.int32),
+            torch.tensor([0, 3, 5], dtype=torch.int32),
+        )
 
 
 # ---------------------------------------------------------------- merging states
@@ -239,7 +306,9 @@ def test_merging_two_key_sets_equals_attention_over_both(dtype):
     out_a, lse_a = mha_ext.attention(q, k, v, return_lse=True)
     out_b, lse_b = mha_ext.attention(q, k2, v2, return_lse=True)
     merged, lse = mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b)
-    whole, whole_lse = mha_ext.attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), return_lse=True)
+    whole, whole_lse = mha_ext.attention(
+        q, torch.cat([k, k2], 2), torch.cat([v, v2], 2), return_lse=True
+    )
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(merged, whole, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
@@ -260,26 +329,45 @@ def test_merging_with_an_empty_state_is_exact():
 
 def test_merge_gradcheck_and_errors():
     generator = seeded_generator(4)
-    inputs = [torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
-              torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_(),
-              torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
-              torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_()]
+    inputs = [
+        torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
+        torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_(),
+        torch.randn(2, 3, 5, generator=generator, dtype=torch.float64).requires_grad_(),
+        torch.randn(2, 3, generator=generator, dtype=torch.float64).requires_grad_(),
+    ]
     assert torch.autograd.gradcheck(mha_ext.merge_attention_states, inputs)
     out, lse = torch.randn(3, 5, 16), torch.randn(3, 5)
-    with pytest.raises(RuntimeError, match=r"out_a and out_b must have one shape \(..., head_dim\), got \[3, 5, 16\] and \[3, 5, 8\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"out_a and out_b must have one shape \(..., head_dim\), got \[3, 5, 16\] and "
+        r"\[3, 5, 8\]",
+    ):
         mha_ext.merge_attention_states(out, lse, out[..., :8], lse)
-    with pytest.raises(RuntimeError, match=r"lse_b must be a torch.float32 tensor of shape \[3, 5\] on \S+, got torch.float64 of shape \[3, 5\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"lse_b must be a torch.float32 tensor of shape \[3, 5\] on \S+, got "
+        r"torch.float64 of shape \[3, 5\]",
+    ):
         mha_ext.merge_attention_states(out, lse, out, lse.double())
 
 
 def test_paged_ops_opcheck():
-    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8, seed=3)
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(
+        [20, 50], [1, 4], 4, 2, 32, 8, seed=3
+    )
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    torch.library.opcheck(torch.ops.mha_ext.paged_attention.default, (q, k_cache, v_cache, tables, seq_lens, cu, 0.2))
-    torch.library.opcheck(torch.ops.mha_ext.paged_kv_append.default,
-                          (torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, v_cache, torch.tensor([0, -1, 9])))
+    torch.library.opcheck(
+        torch.ops.mha_ext.paged_attention.default, (q, k_cache, v_cache, tables, seq_lens, cu, 0.2)
+    )
+    torch.library.opcheck(
+        torch.ops.mha_ext.paged_kv_append.default,
+        (torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, v_cache, torch.tensor([0, -1, 9])),
+    )
     out, lse = torch.randn(4, 2, 16), torch.randn(4, 2)
-    torch.library.opcheck(torch.ops.mha_ext.merge_attention_states.default, (out, lse, torch.randn(4, 2, 16), torch.randn(4, 2)))
+    torch.library.opcheck(
+        torch.ops.mha_ext.merge_attention_states.default,
+        (out, lse, torch.randn(4, 2, 16), torch.randn(4, 2)),
+    )
 
 
 # ---------------------------------------------------------------- allocator
@@ -308,7 +396,9 @@ def test_fork_shares_blocks_and_copies_a_shared_partial_block_on_write():
     batch = cache.prepare([parent], [6])  # blocks [0, 1], block 1 half full
     for layer in range(2):
         k = torch.arange(12.0).view(6, 1, 2) + 100 * layer
-        mha_ext.paged_kv_append(k, -k, cache.key_caches[layer], cache.value_caches[layer], batch.slot_mapping)
+        mha_ext.paged_kv_append(
+            k, -k, cache.key_caches[layer], cache.value_caches[layer], batch.slot_mapping
+        )
     child = cache.fork(parent)
     assert cache.block_table(child) == [0, 1] and cache.num_free_blocks == 6
     batch = cache.prepare([child], [1])  # block 1 is shared and partial: copy before writing
@@ -317,8 +407,12 @@ def test_fork_shares_blocks_and_copies_a_shared_partial_block_on_write():
     assert cache.block_table(parent) == [0, 1]
     assert batch.slot_mapping.tolist() == [private * 4 + 2]
     for layer in range(2):
-        assert torch.equal(cache.key_caches[layer][private, :, :2], cache.key_caches[layer][1, :, :2])
-        assert torch.equal(cache.value_caches[layer][private, :, :2], cache.value_caches[layer][1, :, :2])
+        assert torch.equal(
+            cache.key_caches[layer][private, :, :2], cache.key_caches[layer][1, :, :2]
+        )
+        assert torch.equal(
+            cache.value_caches[layer][private, :, :2], cache.value_caches[layer][1, :, :2]
+        )
     cache.free(parent)  # block 0 stays: the child still holds it
     assert cache.num_free_blocks == 6
     cache.free(child)
@@ -329,7 +423,9 @@ def test_exhaustion_raises_before_anything_changes():
     cache = mha_ext.PagedKVCache(1, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=2)
     a, b = cache.allocate(), cache.allocate()
     cache.prepare([a], [5])
-    with pytest.raises(RuntimeError, match=r"out of blocks: this step needs 2 new blocks but only 1 of 3 are free"):
+    with pytest.raises(
+        RuntimeError, match=r"out of blocks: this step needs 2 new blocks but only 1 of 3 are free"
+    ):
         cache.prepare([a, b], [1, 5])
     assert cache.seq_len(a) == 5 and cache.seq_len(b) == 0 and cache.num_free_blocks == 1
     assert cache.block_table(a) == [0, 1] and cache.block_table(b) == []
@@ -343,15 +439,21 @@ def test_exhaustion_raises_before_anything_changes():
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_large_cpu_caches_live_on_huge_page_boundaries(layout):
     # 64 blocks x 2 heads x 16 tokens x 256 x 4 bytes = 2 MiB per cache: the huge-page path.
-    cache = mha_ext.PagedKVCache(2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=256, layout=layout)
-    small = mha_ext.PagedKVCache(1, num_blocks=2, block_size=16, num_kv_heads=2, head_dim=256, huge_pages=False)
+    cache = mha_ext.PagedKVCache(
+        2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=256, layout=layout
+    )
+    small = mha_ext.PagedKVCache(
+        1, num_blocks=2, block_size=16, num_kv_heads=2, head_dim=256, huge_pages=False
+    )
     for tensor in cache.key_caches + cache.value_caches:
         assert tensor.shape == (64, 2, 16, 256) and tensor.dtype == torch.float32
         assert tensor.data_ptr() % (2 << 20) == 0
         assert torch.count_nonzero(tensor) == 0
     pointers = {t.data_ptr() for t in cache.key_caches + cache.value_caches}
     assert len(pointers) == 4  # one mapping per cache, none shared
-    assert small.key_caches[0].untyped_storage().nbytes() == 2 * 2 * 16 * 256 * 4  # plain allocation
+    assert (
+        small.key_caches[0].untyped_storage().nbytes() == 2 * 2 * 16 * 256 * 4
+    )  # plain allocation
 
     # The tensors keep their mappings alive after the cache object is gone, and stay usable.
     keys = cache.key_caches[1]
@@ -371,7 +473,9 @@ def test_large_cpu_caches_live_on_huge_page_boundaries(layout):
 def test_module_paged_forward_matches_full_attention():
     torch.manual_seed(0)
     layer = mha_ext.MultiHeadAttention(64, 8, dropout=0.0, num_kv_heads=2).eval()
-    cache = mha_ext.PagedKVCache(1, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layout="NHD")
+    cache = mha_ext.PagedKVCache(
+        1, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, layout="NHD"
+    )
     x = [torch.randn(11, 64), torch.randn(5, 64)]
     seqs = [cache.allocate(), cache.allocate()]
     # Chunked prefill: 7 + 3 tokens, then 4 + 2 more, then one decode step each.
@@ -379,13 +483,15 @@ def test_module_paged_forward_matches_full_attention():
     for chunk in ([7, 3], [4, 1], [0, 1]):
         starts = [cache.seq_len(s) for s in seqs]
         batch = cache.prepare(seqs, chunk)
-        packed = torch.cat([x[i][starts[i]:starts[i] + chunk[i]] for i in range(2)])
+        packed = torch.cat([x[i][starts[i] : starts[i] + chunk[i]] for i in range(2)])
         out = layer.forward_paged(packed, cache, 0, batch)
         for i, piece in enumerate(out.split(chunk)):
             outputs[i].append(piece)
     for i in range(2):
         length = cache.seq_len(seqs[i])
-        full = layer(x[i][None, :length], x[i][None, :length], x[i][None, :length], is_causal=True)[0]
+        full = layer(x[i][None, :length], x[i][None, :length], x[i][None, :length], is_causal=True)[
+            0
+        ]
         torch.testing.assert_close(torch.cat(outputs[i]), full, rtol=1e-5, atol=1e-5)
 
 
@@ -399,4 +505,4 @@ def test_generation_equals_recomputing_full_attention():
         for _ in range(12):
             with torch.no_grad():
                 tokens.append(model(torch.tensor([tokens]))[0, -1].argmax().item())
-        assert new_tokens == tokens[len(prompt):]
+        assert new_tokens == tokens[len(prompt) :]

@@ -1,4 +1,5 @@
 """Op registration: opcheck for every op, and the ops inside torch.compile(fullgraph=True)."""
+
 import pytest
 import torch
 
@@ -17,7 +18,18 @@ def attention_cases():
         (q, k, v, None, None, 0.0, 0.25, -1, -1, False),
         (*grad, None, None, 0.0, 0.25, -1, 0, True),
         (*grad, mask, seed, 0.3, 0.5, 4, 0, False),
-        (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mask > 0, None, 0.0, 0.25, 3, 2, True),
+        (
+            q.transpose(1, 2).contiguous().transpose(1, 2),
+            k,
+            v,
+            mask > 0,
+            None,
+            0.0,
+            0.25,
+            3,
+            2,
+            True,
+        ),
     ]
 
 
@@ -46,7 +58,9 @@ def test_compile_fullgraph_forward_and_backward():
 
     def step(x):
         out = layer(x, x, x, is_causal=True)
-        return out, mha_ext.attention(*(x.unflatten(-1, (8, 8)).transpose(1, 2),) * 3, window=(4, 4))
+        return out, mha_ext.attention(
+            *(x.unflatten(-1, (8, 8)).transpose(1, 2),) * 3, window=(4, 4)
+        )
 
     compiled = torch.compile(step, fullgraph=True)
     eager_out, eager_windowed = step(x)
@@ -62,7 +76,9 @@ def test_compile_fullgraph_forward_and_backward():
 
 def test_compile_fullgraph_with_dropout_is_reproducible():
     q, k, v = random_qkv(1, 4, 4, 20, 20, 16)
-    compiled = torch.compile(lambda q, k, v: mha_ext.attention(q, k, v, dropout_p=0.3), fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v: mha_ext.attention(q, k, v, dropout_p=0.3), fullgraph=True
+    )
     torch.manual_seed(9)
     first = compiled(q, k, v)
     torch.manual_seed(9)
@@ -82,8 +98,20 @@ def paged_case():
     slots = torch.arange(20) + 12  # from the middle of block 1
     tables = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
     q = torch.randn(3, 4, 32)
-    return keys, values, key_cache, value_cache, slots, (q, tables, torch.tensor([22], dtype=torch.int32),
-                                                         torch.tensor([0, 3], dtype=torch.int32), 0.3)
+    return (
+        keys,
+        values,
+        key_cache,
+        value_cache,
+        slots,
+        (
+            q,
+            tables,
+            torch.tensor([22], dtype=torch.int32),
+            torch.tensor([0, 3], dtype=torch.int32),
+            0.3,
+        ),
+    )
 
 
 class OpLog(torch.overrides.TorchFunctionMode):
@@ -128,8 +156,12 @@ def test_direct_paged_calls_equal_torch_ops():
     assert torch.equal(key_cache, ops_key_cache) and torch.equal(value_cache, ops_value_cache)
     assert torch.equal(key_cache[1, :, 4:], keys[:4].transpose(0, 1))  # really written in place
     q, tables, seq_lens, cu_seqlens_q, scale = attention_args
-    direct = mha_ext._C.paged_attention(q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale)
-    expected = torch.ops.mha_ext.paged_attention.default(q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale)
+    direct = mha_ext._C.paged_attention(
+        q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale
+    )
+    expected = torch.ops.mha_ext.paged_attention.default(
+        q, key_cache, value_cache, tables, seq_lens, cu_seqlens_q, scale
+    )
     assert torch.equal(direct[0], expected[0]) and torch.equal(direct[1], expected[1])
 
 
@@ -153,15 +185,23 @@ def test_direct_calls_name_an_argument_of_the_wrong_type():
     q, k, v = random_qkv(1, 2, 2, 3, 3, 8)
     with pytest.raises(TypeError, match=r"mha_ext.attention_forward: k must be a Tensor, got list"):
         mha_ext._C.attention_forward(q, [1.0], v, None, None, 0.0, 0.25, -1, -1, False)
-    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: bottom_right must be a bool, got int"):
+    with pytest.raises(
+        TypeError, match=r"mha_ext.attention_forward: bottom_right must be a bool, got int"
+    ):
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, -1, -1, 1)
-    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: scale must be a float, got str"):
+    with pytest.raises(
+        TypeError, match=r"mha_ext.attention_forward: scale must be a float, got str"
+    ):
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, "0.25", -1, -1, False)
-    with pytest.raises(TypeError, match=r"mha_ext.attention_forward: window_left must be an int, got float"):
+    with pytest.raises(
+        TypeError, match=r"mha_ext.attention_forward: window_left must be an int, got float"
+    ):
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 1.0, -1, False)
     with pytest.raises(OverflowError, match=r"int too big to convert"):  # Python's own, past int64
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 2**64, -1, False)
-    with pytest.raises(TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"):
+    with pytest.raises(
+        TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"
+    ):
         mha_ext._C.paged_attention(q[0], k, v, None, None, None)
 
 
@@ -176,9 +216,11 @@ def schema_types(op):
     them ("Tensor?", not Python's "Optional[Tensor]"); a written tensor is "Tensor!" (the
     schema's "Tensor(a!)")."""
     schema = getattr(torch.ops.mha_ext, op).default._schema
-    arguments = [str(a.type).replace("Optional[Tensor]", "Tensor?")
-                 + ("!" if a.alias_info is not None and a.alias_info.is_write else "")
-                 for a in schema.arguments]
+    arguments = [
+        str(a.type).replace("Optional[Tensor]", "Tensor?")
+        + ("!" if a.alias_info is not None and a.alias_info.is_write else "")
+        for a in schema.arguments
+    ]
     return arguments, [str(r.type) for r in schema.returns]
 
 
@@ -192,8 +234,14 @@ def test_cpp_op_signatures_match_the_schemas():
 
 
 # A value of each schema type that a direct entry point accepts, and one it must refuse.
-VALID = {"Tensor": torch.zeros(1), "Tensor!": torch.zeros(1), "Tensor?": None, "float": 1.0,
-         "int": 1, "bool": True}
+VALID = {
+    "Tensor": torch.zeros(1),
+    "Tensor!": torch.zeros(1),
+    "Tensor?": None,
+    "float": 1.0,
+    "int": 1,
+    "bool": True,
+}
 WRONG = {"Tensor": "x", "Tensor!": "x", "Tensor?": 1.5, "float": "x", "int": 1.5, "bool": 1}
 
 
@@ -202,7 +250,9 @@ def test_direct_entry_points_match_the_schemas(op):
     direct = getattr(mha_ext._C, op)
     schema = getattr(torch.ops.mha_ext, op).default._schema
     arguments, _ = schema_types(op)
-    with pytest.raises(TypeError, match=rf"mha_ext.{op} takes {len(arguments)} positional arguments, got 0"):
+    with pytest.raises(
+        TypeError, match=rf"mha_ext.{op} takes {len(arguments)} positional arguments, got 0"
+    ):
         direct()
     # Each position reads the schema's type under the schema's name: a wrong value there is
     # refused by name, after every earlier position accepted a value of its schema type.

@@ -1,5 +1,6 @@
 """mha_ext.scaled_dot_product_attention as a drop-in for torch's, and the reference itself
 checked against torch's math path."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,9 @@ def test_gradients_match_torch_sdpa():
 
 @pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}, {"scale": 0.2, "enable_gqa": True}])
 def test_reference_matches_torch_math_in_fp64(kwargs):
-    q, k, v = random_qkv(2, 4, 2 if kwargs.get("enable_gqa") else 4, 17, 29, 16, dtype=torch.float64)
+    q, k, v = random_qkv(
+        2, 4, 2 if kwargs.get("enable_gqa") else 4, 17, 29, 16, dtype=torch.float64
+    )
     expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     actual, _ = attention_reference(
         q, k, v, causal="top_left" if kwargs.get("is_causal") else None, scale=kwargs.get("scale")

@@ -1,5 +1,6 @@
 """csrc/sources.txt, the one list of translation units that setup.py, CMakeLists.txt and
 .ci/compile_aarch64 build from: a source missing from it would silently not be built."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,12 +19,22 @@ def listed_sources():
 def test_every_translation_unit_is_listed_once_in_a_known_group():
     entries = listed_sources()
     paths = [path for _, path in entries]
-    assert len(paths) == len(set(paths)), f"listed twice: {sorted(p for p in paths if paths.count(p) > 1)}"
+    assert len(paths) == len(set(paths)), (
+        f"listed twice: {sorted(p for p in paths if paths.count(p) > 1)}"
+    )
     assert {group for group, _ in entries} <= GROUPS
-    on_disk = {str(p.relative_to(ROOT)) for pattern in ("*.cpp", "*.cu") for p in (ROOT / "csrc").rglob(pattern)}
-    assert set(paths) == on_disk, f"unlisted: {sorted(on_disk - set(paths))}, missing: {sorted(set(paths) - on_disk)}"
+    on_disk = {
+        str(p.relative_to(ROOT))
+        for pattern in ("*.cpp", "*.cu")
+        for p in (ROOT / "csrc").rglob(pattern)
+    }
+    assert set(paths) == on_disk, (
+        f"unlisted: {sorted(on_disk - set(paths))}, missing: {sorted(set(paths) - on_disk)}"
+    )
 
 
 def test_the_portable_kernels_come_before_the_isa_builds():
     paths = [path for _, path in listed_sources()]
-    assert paths.index("csrc/cpu/kernels/kernels_default.cpp") < paths.index("csrc/cpu/kernels/kernels_avx2.cpp")
+    assert paths.index("csrc/cpu/kernels/kernels_default.cpp") < paths.index(
+        "csrc/cpu/kernels/kernels_avx2.cpp"
+    )

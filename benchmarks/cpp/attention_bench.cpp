@@ -16,7 +16,7 @@ namespace {
 
 struct Problem {
   at::Tensor q, k, v, out, lse;
-  AttentionForwardParams params;  // pointing at the tensors above, outputs included
+  AttentionForwardParams params;            // pointing at the tensors above, outputs included
   cpu::Backend::AttentionForwardPlan plan;  // the op's plan: the bf16 forward's workspace
   double forward_flops;
 };
@@ -41,8 +41,10 @@ Problem make_problem(const benchmark::State& state) {
 }
 
 void set_counters(benchmark::State& state, const Problem& p, double flops) {
-  state.SetItemsProcessed(state.iterations() * p.params.batch * p.params.num_heads * p.params.seq_q);
-  state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetItemsProcessed(state.iterations() * p.params.batch * p.params.num_heads *
+                          p.params.seq_q);
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(dtype_label(state.range(5)) + (state.range(6) ? " causal" : ""));
 }
 
@@ -76,16 +78,19 @@ void register_all(const Options& options) {
   // batch, heads, kv_heads, seq, head_dim, dtype, causal: GPT-2 small and Llama-2 70B GQA shapes.
   std::vector<std::vector<int64_t>> shapes =
       smoke ? std::vector<std::vector<int64_t>>{{1, 2, 1, 17, 40, 0, 1}, {1, 2, 2, 9, 64, 1, 0}}
-            : std::vector<std::vector<int64_t>>{{1, 12, 12, 1024, 64, 0, 0}, {1, 12, 12, 1024, 64, 0, 1},
-                                                {1, 12, 12, 1024, 64, 1, 1}, {1, 64, 8, 1024, 128, 0, 1},
+            : std::vector<std::vector<int64_t>>{{1, 12, 12, 1024, 64, 0, 0},
+                                                {1, 12, 12, 1024, 64, 0, 1},
+                                                {1, 12, 12, 1024, 64, 1, 1},
+                                                {1, 64, 8, 1024, 128, 0, 1},
                                                 {1, 64, 8, 1024, 128, 1, 1}};
   if (!options.shapes.empty()) shapes = options.shapes;
   for (auto [name, function] : {std::pair{"attention_forward", &attention_forward},
                                 std::pair{"attention_backward", &attention_backward}}) {
-    auto* bench = benchmark::RegisterBenchmark(name, function)
-                      ->ArgNames({"batch", "heads", "kv_heads", "seq", "head_dim", "dtype", "causal"})
-                      ->Unit(benchmark::kMillisecond)
-                      ->UseRealTime();
+    auto* bench =
+        benchmark::RegisterBenchmark(name, function)
+            ->ArgNames({"batch", "heads", "kv_heads", "seq", "head_dim", "dtype", "causal"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
     for (const auto& shape : shapes) bench->Args(shape);
     if (smoke) bench->Iterations(1);
   }
@@ -94,4 +99,6 @@ void register_all(const Options& options) {
 }  // namespace
 }  // namespace mha_ext::bench
 
-int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }
+int main(int argc, char** argv) {
+  return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all);
+}

@@ -31,18 +31,26 @@ struct DecodeStep {
   at::Tensor q;                 // [batch, heads, head_dim]
 
   explicit DecodeStep(const benchmark::State& state)
-      : batch(state.range(0)), heads(state.range(1)), kv_heads(state.range(2)), context(state.range(3)),
-        head_dim(state.range(4)), dtype(state.range(5)), block_size(state.range(6)) {
+      : batch(state.range(0)),
+        heads(state.range(1)),
+        kv_heads(state.range(2)),
+        context(state.range(3)),
+        head_dim(state.range(4)),
+        dtype(state.range(5)),
+        block_size(state.range(6)) {
     const int64_t blocks_per_seq = (context + block_size - 1) / block_size;
     k_cache = random({batch * blocks_per_seq, kv_heads, block_size, head_dim}, dtype);
     v_cache = random({batch * blocks_per_seq, kv_heads, block_size, head_dim}, dtype);
     // Sequence b owns blocks b, b + batch, b + 2 batch, ...: scattered, as after real use.
-    tables = at::arange(batch * blocks_per_seq, at::kInt).view({blocks_per_seq, batch}).t().contiguous();
+    tables =
+        at::arange(batch * blocks_per_seq, at::kInt).view({blocks_per_seq, batch}).t().contiguous();
     q = random({batch, heads, head_dim}, dtype);
   }
 
   // The K and V bytes a step reads.
-  int64_t kv_bytes() const { return 2 * k_cache.numel() * static_cast<int64_t>(k_cache.element_size()); }
+  int64_t kv_bytes() const {
+    return 2 * k_cache.numel() * static_cast<int64_t>(k_cache.element_size());
+  }
 
   void report(benchmark::State& state) const {
     state.SetBytesProcessed(state.iterations() * kv_bytes());
@@ -55,10 +63,9 @@ void paged_decode(benchmark::State& state) {
   const DecodeStep step(state);
   at::Tensor seq_lens = at::full({step.batch}, step.context, at::kInt);
   at::Tensor cu_seqlens = at::arange(step.batch + 1, at::kInt);
-  PagedAttentionParams params =
-      make_paged_attention_params(step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
-                                  1.0 / std::sqrt(static_cast<double>(step.head_dim)),
-                                  cpu::Backend::kIndicesOnHost);
+  PagedAttentionParams params = make_paged_attention_params(
+      step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
+      1.0 / std::sqrt(static_cast<double>(step.head_dim)), cpu::Backend::kIndicesOnHost);
   const auto plan = cpu::Backend::plan(params, step.q);  // the op's plan
   const PagedAttentionTensors tensors = allocate_paged_tensors(params, step.q);
   for (auto _ : state) {
@@ -79,7 +86,8 @@ inline uint64_t sum_words(const void* row, int64_t size) {
 
 // Requests the cache lines of bytes [0, size) of row.
 inline void request_row(const void* row, int64_t size) {
-  for (int64_t byte = 0; byte < size; byte += 64) __builtin_prefetch(static_cast<const char*>(row) + byte, 0, 2);
+  for (int64_t byte = 0; byte < size; byte += 64)
+    __builtin_prefetch(static_cast<const char*>(row) + byte, 0, 2);
 }
 
 // The cache rows paged_decode reads, in the order its tasks read them when a task takes all
@@ -108,7 +116,8 @@ void paged_reads(benchmark::State& state) {
             for (const char* cache : caches) {
               for (int64_t key = key0; key < key0 + keys; ++key) {
                 const int64_t block = tables[seq * blocks_per_seq + key / step.block_size];
-                rows.push_back(cache + block * block_bytes + head * head_bytes + key % step.block_size * row_bytes);
+                rows.push_back(cache + block * block_bytes + head * head_bytes +
+                               key % step.block_size * row_bytes);
               }
             }
           }
@@ -151,14 +160,17 @@ void paged_append(benchmark::State& state) {
   const int64_t blocks = context / block_size + 1;
   at::Tensor k_cache = at::zeros({blocks, kv_heads, block_size, head_dim}, dtype_of(dtype));
   at::Tensor v_cache = at::zeros_like(k_cache);
-  at::Tensor key = random({1, kv_heads, head_dim}, dtype), value = random({1, kv_heads, head_dim}, dtype);
+  at::Tensor key = random({1, kv_heads, head_dim}, dtype),
+             value = random({1, kv_heads, head_dim}, dtype);
   at::Tensor slot = at::full({1}, context, at::kLong);  // the token after `context` cached ones
-  const PagedAppendParams params = make_append_params(key, value, k_cache, v_cache, slot, cpu::Backend::kIndicesOnHost);
+  const PagedAppendParams params =
+      make_append_params(key, value, k_cache, v_cache, slot, cpu::Backend::kIndicesOnHost);
   for (auto _ : state) {
     cpu::paged_kv_append(params);
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * 2 * key.numel() * static_cast<int64_t>(key.element_size()));
+  state.SetBytesProcessed(state.iterations() * 2 * key.numel() *
+                          static_cast<int64_t>(key.element_size()));
   state.SetItemsProcessed(state.iterations());
   state.SetLabel(dtype_label(dtype));
 }
@@ -167,12 +179,14 @@ void register_all(const Options& options) {
   // The decode step, its reads alone and the streaming rate take the same arguments, and run
   // one after another for each.
   std::vector<benchmark::internal::Benchmark*> decode;
-  for (auto [name, function] : {std::pair{"paged_decode", &paged_decode}, std::pair{"paged_reads", &paged_reads},
-                                std::pair{"stream_read", &stream_read}}) {
-    decode.push_back(benchmark::RegisterBenchmark(name, function)
-                         ->ArgNames({"batch", "heads", "kv_heads", "context", "head_dim", "dtype", "block_size"})
-                         ->Unit(benchmark::kMicrosecond)
-                         ->UseRealTime());
+  for (auto [name, function] :
+       {std::pair{"paged_decode", &paged_decode}, std::pair{"paged_reads", &paged_reads},
+        std::pair{"stream_read", &stream_read}}) {
+    decode.push_back(
+        benchmark::RegisterBenchmark(name, function)
+            ->ArgNames({"batch", "heads", "kv_heads", "context", "head_dim", "dtype", "block_size"})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime());
   }
   auto add_decode = [&](const std::vector<int64_t>& args) {
     for (auto* run : decode) run->Args(args);
@@ -210,4 +224,6 @@ void register_all(const Options& options) {
 }  // namespace
 }  // namespace mha_ext::bench
 
-int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }
+int main(int argc, char** argv) {
+  return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all);
+}

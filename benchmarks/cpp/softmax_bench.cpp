@@ -39,11 +39,16 @@ using cpu::kQueryBlock;
 
 struct ScoreTile {
   int64_t cols, head_dim_v;
-  std::vector<float> tile, out, row_max, row_sum;  // [kQueryBlock, cols], [kQueryBlock, head_dim_v], [kQueryBlock] x 2
+  std::vector<float> tile, out, row_max,
+      row_sum;  // [kQueryBlock, cols], [kQueryBlock, head_dim_v], [kQueryBlock] x 2
 
   ScoreTile(int64_t cols_, int64_t head_dim_v_)
-      : cols(cols_), head_dim_v(head_dim_v_), tile(kQueryBlock * cols),
-        out(kQueryBlock * head_dim_v, 0.f), row_max(kQueryBlock, 0.f), row_sum(kQueryBlock, 1.f) {
+      : cols(cols_),
+        head_dim_v(head_dim_v_),
+        tile(kQueryBlock * cols),
+        out(kQueryBlock * head_dim_v, 0.f),
+        row_max(kQueryBlock, 0.f),
+        row_sum(kQueryBlock, 1.f) {
     // Unscaled scores q.k of unit-variance rows have a standard deviation of sqrt(head dim),
     // 1 after the softmax scale. The running max starts above them (6 in the log2 units of
     // both kernels' maxima, about 4 in natural ones), so the lazy rescale stays as rare as in
@@ -66,8 +71,8 @@ void BM_SoftmaxTileFp32(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   for (auto _ : state) {
-    kernels::online_softmax_tile(t.tile.data(), t.cols, kQueryBlock, t.cols, t.row_max.data(), t.row_sum.data(),
-                                 t.out.data(), t.head_dim_v, t.head_dim_v, scale);
+    kernels::online_softmax_tile(t.tile.data(), t.cols, kQueryBlock, t.cols, t.row_max.data(),
+                                 t.row_sum.data(), t.out.data(), t.head_dim_v, t.head_dim_v, scale);
     benchmark::DoNotOptimize(t.tile.data());
     benchmark::ClobberMemory();
   }
@@ -80,12 +85,12 @@ void BM_SoftmaxTileBf16(benchmark::State& state) {
   ScoreTile t(state.range(0), state.range(1));
   const float scale = 1.f / std::sqrt(static_cast<float>(t.head_dim_v));
   std::vector<float> row_sums(kQueryBlock * kernels::kSumLanes, 1.f);  // [kQueryBlock, kSumLanes]
-  const int64_t ld_probs = kernels::round_up(t.cols, 32);          // as softmax_tile_to_probs writes
-  std::vector<c10::BFloat16> probs(kQueryBlock * ld_probs);            // [kQueryBlock, ld_probs]
+  const int64_t ld_probs = kernels::round_up(t.cols, 32);    // as softmax_tile_to_probs writes
+  std::vector<c10::BFloat16> probs(kQueryBlock * ld_probs);  // [kQueryBlock, ld_probs]
   for (auto _ : state) {
-    kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kQueryBlock, t.cols, scale, t.row_max.data(),
-                                   row_sums.data(), t.out.data(), t.head_dim_v, t.head_dim_v, probs.data(),
-                                   ld_probs);
+    kernels::softmax_tile_to_probs(t.tile.data(), t.cols, kQueryBlock, t.cols, scale,
+                                   t.row_max.data(), row_sums.data(), t.out.data(), t.head_dim_v,
+                                   t.head_dim_v, probs.data(), ld_probs);
     benchmark::DoNotOptimize(probs.data());
     benchmark::ClobberMemory();
   }
@@ -109,7 +114,8 @@ void register_all(const Options& options) {
   };
   for (const Case& c : cases) {
     for (const auto& tile : options.smoke ? std::vector<std::vector<int64_t>>{{16, 16}} : c.tiles) {
-      auto* bench = benchmark::RegisterBenchmark(c.name, c.run)->Args(tile)->ArgNames({"keys", "head_dim_v"});
+      auto* bench =
+          benchmark::RegisterBenchmark(c.name, c.run)->Args(tile)->ArgNames({"keys", "head_dim_v"});
       if (options.smoke) bench->Iterations(1);
     }
   }
@@ -118,4 +124,6 @@ void register_all(const Options& options) {
 }  // namespace
 }  // namespace mha_ext::bench
 
-int main(int argc, char** argv) { return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all); }
+int main(int argc, char** argv) {
+  return mha_ext::bench::run(argc, argv, &mha_ext::bench::register_all);
+}

@@ -19,7 +19,8 @@ template <typename Body>
 double gflops(double flops_per_iteration, Body&& body) {
   const auto start = std::chrono::steady_clock::now();
   const float sink = body();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (sink == 1.0f) std::puts("");  // keeps the result alive
   return flops_per_iteration * kIterations / seconds / 1e9;
 }
@@ -65,6 +66,7 @@ int main() {
     return 0;
   }
   const double dot = gflops(64.0 * kAccumulators, dot_loop);
-  std::printf("one core: VDPBF16PS (bf16 dot, fp32) %7.1f GFLOP/s = %.2fx the fp32 FMA\n", dot, dot / fma);
+  std::printf("one core: VDPBF16PS (bf16 dot, fp32) %7.1f GFLOP/s = %.2fx the fp32 FMA\n", dot,
+              dot / fma);
   return 0;
 }

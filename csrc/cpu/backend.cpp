@@ -59,8 +59,7 @@ Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
                                              const at::Tensor& like) {
   const int64_t kv_tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
   const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
-  params.num_kv_splits =
-      std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
+  params.num_kv_splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
   AttentionBackwardPlan plan;
   // Uncleared: the kernels write each element before they add to it.
   plan.grad_q_accum = kept_workspace(

@@ -18,8 +18,8 @@ KernelChoice kernel_choice() {
   const char* setting = std::getenv("MHA_EXT_CUDA_KERNELS");
   KernelChoice choice;
   if (setting == nullptr || std::strcmp(setting, "auto") == 0) return choice;
-  TORCH_CHECK(std::strcmp(setting, "simt") == 0,
-              "MHA_EXT_CUDA_KERNELS must be auto or simt, got '", setting, "'");
+  TORCH_CHECK(std::strcmp(setting, "simt") == 0, "MHA_EXT_CUDA_KERNELS must be auto or simt, got '",
+              setting, "'");
   choice.allow_tensor_cores = false;
   return choice;
 }
@@ -40,31 +40,30 @@ const int64_t* device_seed(const AttentionForwardParams& params) {
 Backend::NoPlan Backend::plan(AttentionForwardParams&, const at::Tensor&) { return {}; }
 
 void Backend::run(const AttentionForwardParams& params, NoPlan) {
-  check_launch(launch_attention_forward(params, device_seed(params), kernel_choice(),
-                                        current_stream()),
-               kAttention);
+  check_launch(
+      launch_attention_forward(params, device_seed(params), kernel_choice(), current_stream()),
+      kAttention);
 }
 
 Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
                                              const at::Tensor& like) {
   AttentionBackwardPlan plan;
   params.num_kv_splits = 1;
-  plan.grad_q_accum =
-      at::zeros({1, params.batch, params.num_heads, params.seq_q, params.head_dim},
-                like.options().dtype(accumulate_dtype(like.scalar_type())));
+  plan.grad_q_accum = at::zeros({1, params.batch, params.num_heads, params.seq_q, params.head_dim},
+                                like.options().dtype(accumulate_dtype(like.scalar_type())));
   params.grad_q_accum = plan.grad_q_accum.data_ptr();
   return plan;
 }
 
 void Backend::run(const AttentionBackwardParams& params, const AttentionBackwardPlan&) {
-  check_launch(launch_attention_backward(params, device_seed(params), kernel_choice(),
-                                         current_stream()),
-               kAttention);
+  check_launch(
+      launch_attention_backward(params, device_seed(params), kernel_choice(), current_stream()),
+      kAttention);
 }
 
 void Backend::run(const DropoutMaskParams& p) {
-  check_launch(launch_dropout_mask(p.keep, p.dropout.seed_address, p.dropout, p.batch,
-                                   p.num_heads, p.seq_q, p.seq_k, current_stream()),
+  check_launch(launch_dropout_mask(p.keep, p.dropout.seed_address, p.dropout, p.batch, p.num_heads,
+                                   p.seq_q, p.seq_k, current_stream()),
                "mha_ext.dropout_mask: ");
 }
 

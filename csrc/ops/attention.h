@@ -63,14 +63,13 @@ inline DropoutParams make_dropout_params(double dropout_p, const at::Tensor* see
 }
 
 // attn_mask broadcast to [batch, heads, seq_q, seq_k] through zero strides, never copied.
-inline AttnMaskParams make_mask_params(const at::Tensor& mask, const at::Tensor& q,
-                                       int64_t seq_k) {
+inline AttnMaskParams make_mask_params(const at::Tensor& mask, const at::Tensor& q, int64_t seq_k) {
   const std::vector<int64_t> target = {q.size(0), q.size(1), q.size(2), seq_k};
   TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(), kOp,
               "attn_mask must be torch.bool or q's dtype ", dtype_name(q.scalar_type()), ", got ",
               dtype_name(mask.scalar_type()));
-  TORCH_CHECK(mask.device() == q.device(), kOp, "attn_mask is on ", mask.device(),
-              " but q is on ", q.device());
+  TORCH_CHECK(mask.device() == q.device(), kOp, "attn_mask is on ", mask.device(), " but q is on ",
+              q.device());
   bool broadcastable = mask.dim() <= 4;
   for (int64_t i = 1; broadcastable && i <= mask.dim(); ++i) {
     const int64_t size = mask.size(-i);
@@ -99,8 +98,7 @@ inline AttnMaskParams make_mask_params(const at::Tensor& mask, const at::Tensor&
 inline AttentionForwardParams make_attention_params(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
-    double dropout_p, double scale, int64_t window_left, int64_t window_right,
-    bool bottom_right) {
+    double dropout_p, double scale, int64_t window_left, int64_t window_right, bool bottom_right) {
   using namespace attention_detail;
   check_4d(q, "q");
   check_4d(k, "k");
@@ -112,17 +110,16 @@ inline AttentionForwardParams make_attention_params(
               "q, k and v must be on one device, got q on ", q.device(), ", k on ", k.device(),
               ", v on ", v.device());
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp,
-              "q, k and v must share the batch size, got q ", q.size(0), ", k ", k.size(0),
-              ", v ", v.size(0));
+              "q, k and v must share the batch size, got q ", q.size(0), ", k ", k.size(0), ", v ",
+              v.size(0));
   TORCH_CHECK(k.size(1) == v.size(1), kOp, "k has ", k.size(1), " heads but v has ", v.size(1));
   TORCH_CHECK(k.size(2) == v.size(2), kOp, "k has ", k.size(2), " keys but v has ", v.size(2),
               " values");
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp, "k has ", k.size(1),
               " heads, which does not divide q's ", q.size(1), " heads");
-  TORCH_CHECK(q.size(3) == k.size(3), kOp, "q has head_dim ", q.size(3), " but k has ",
-              k.size(3));
-  TORCH_CHECK(q.size(3) <= kMaxHeadDim && v.size(3) <= kMaxHeadDim, kOp, "head_dim ",
-              q.size(3), " (q, k) and ", v.size(3), " (v) must not exceed ", kMaxHeadDim);
+  TORCH_CHECK(q.size(3) == k.size(3), kOp, "q has head_dim ", q.size(3), " but k has ", k.size(3));
+  TORCH_CHECK(q.size(3) <= kMaxHeadDim && v.size(3) <= kMaxHeadDim, kOp, "head_dim ", q.size(3),
+              " (q, k) and ", v.size(3), " (v) must not exceed ", kMaxHeadDim);
   TORCH_CHECK(std::isfinite(scale), kOp, "scale must be finite, got ", scale);
   TORCH_CHECK(window_left >= -1 && window_right >= -1, kOp,
               "window sides must be -1 (unbounded) or >= 0, got window_left ", window_left,
@@ -202,8 +199,7 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
-    double dropout_p, double scale, int64_t window_left, int64_t window_right,
-    bool bottom_right) {
+    double dropout_p, double scale, int64_t window_left, int64_t window_right, bool bottom_right) {
   AttentionForwardCall call;
   call.params = make_attention_params(q, k, v, attn_mask, dropout_seed, dropout_p, scale,
                                       window_left, window_right, bottom_right);
@@ -230,8 +226,7 @@ inline void check_backward_args(const AttentionForwardParams& params, const at::
                 at::IntArrayRef(out_shape), ", got ", tensor->sizes());
     TORCH_CHECK(tensor->scalar_type() == q.scalar_type() && tensor->device() == q.device(), kOp,
                 name, " must match q's dtype ", dtype_name(q.scalar_type()), " and device ",
-                q.device(), ", got ", dtype_name(tensor->scalar_type()), " on ",
-                tensor->device());
+                q.device(), ", got ", dtype_name(tensor->scalar_type()), " on ", tensor->device());
   }
   for (const at::Tensor* tensor : {&lse, grad_lse.has_value() ? &*grad_lse : nullptr}) {
     if (tensor == nullptr) continue;
@@ -276,8 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& dropout_seed,
-    double dropout_p, double scale, int64_t window_left, int64_t window_right,
-    bool bottom_right) {
+    double dropout_p, double scale, int64_t window_left, int64_t window_right, bool bottom_right) {
   AttentionBackwardCall call;
   static_cast<AttentionForwardParams&>(call.params) = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right);
@@ -292,8 +286,8 @@ at::Tensor dropout_mask(const at::Tensor& dropout_seed, int64_t batch, int64_t n
                         int64_t seq_q, int64_t seq_k, double dropout_p) {
   using namespace attention_detail;
   TORCH_CHECK(batch >= 0 && num_heads >= 0 && seq_q >= 0 && seq_k >= 0, kDropoutMaskOp,
-              "sizes must be >= 0, got batch ", batch, ", num_heads ", num_heads, ", seq_q ",
-              seq_q, ", seq_k ", seq_k);
+              "sizes must be >= 0, got batch ", batch, ", num_heads ", num_heads, ", seq_q ", seq_q,
+              ", seq_k ", seq_k);
   check_dropout_p(kDropoutMaskOp, dropout_p);
   check_seed_tensor(kDropoutMaskOp, dropout_seed);
   at::Tensor mask =

@@ -21,7 +21,7 @@ struct AnyBackend;
 
 // Description, the op `function` (a template over the backend, whose schema is
 // "mha_ext::<function>(...)"): its name and its C++ signature.
-#define MHA_EXT_DESCRIBE_OP(Description, function)            \
+#define MHA_EXT_DESCRIBE_OP(Description, function)             \
   struct Description {                                         \
     static constexpr const char* name = "mha_ext::" #function; \
     using Signature = decltype(function<AnyBackend>);          \
@@ -31,8 +31,9 @@ struct AnyBackend;
 // against the kernels registered for the op's schema.
 template <typename Op>
 const c10::TypedOperatorHandle<typename Op::Signature>& op_handle() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, "").template typed<typename Op::Signature>();
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow(Op::name, "")
+                                 .template typed<typename Op::Signature>();
   return handle;
 }
 
@@ -42,8 +43,8 @@ template <typename T>
 std::string schema_type_name() {
   using Value = std::remove_cv_t<std::remove_reference_t<T>>;
   if constexpr (std::is_same_v<Value, at::Tensor>) {
-    const bool mutable_ref = std::is_lvalue_reference_v<T> &&
-                             !std::is_const_v<std::remove_reference_t<T>>;
+    const bool mutable_ref =
+        std::is_lvalue_reference_v<T> && !std::is_const_v<std::remove_reference_t<T>>;
     return mutable_ref ? "Tensor!" : "Tensor";
   } else if constexpr (std::is_same_v<Value, std::optional<at::Tensor>>) {
     return "Tensor?";
@@ -65,8 +66,11 @@ std::vector<std::string> schema_return_names() {
   } else if constexpr (std::is_same_v<Result, at::Tensor>) {
     return {"Tensor"};
   } else {
-    return std::apply([](auto... parts) { return std::vector<std::string>{schema_type_name<decltype(parts)>()...}; },
-                      Result{});
+    return std::apply(
+        [](auto... parts) {
+          return std::vector<std::string>{schema_type_name<decltype(parts)>()...};
+        },
+        Result{});
   }
 }
 

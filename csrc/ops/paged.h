@@ -49,8 +49,8 @@ inline void check_slot_values(const int64_t* slots, int64_t num_tokens, int64_t 
                               int64_t block_size) {
   const int64_t capacity = num_blocks * block_size;
   for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= -1 && slots[t] < capacity, kAppendOp, "slot_mapping[", t, "] = ",
-                slots[t], " is outside the cache's ", capacity, " slots (", num_blocks,
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < capacity, kAppendOp, "slot_mapping[", t,
+                "] = ", slots[t], " is outside the cache's ", capacity, " slots (", num_blocks,
                 " blocks x ", block_size, "); -1 marks a token to skip. Nothing was written.");
   }
 }
@@ -80,8 +80,8 @@ inline std::pair<int64_t, int64_t> check_paged_index_values(const PagedAttention
                 p.block_size, " = ", capacity);
     const int32_t* table = block_tables + b * block_table_stride;
     for (int64_t i = 0; i < (seq_len + p.block_size - 1) / p.block_size; ++i) {
-      TORCH_CHECK(table[i] >= 0 && table[i] < p.num_blocks, kPagedOp, "block_tables[", b, ", ",
-                  i, "] = ", table[i], " is outside the cache's ", p.num_blocks, " blocks");
+      TORCH_CHECK(table[i] >= 0 && table[i] < p.num_blocks, kPagedOp, "block_tables[", b, ", ", i,
+                  "] = ", table[i], " is outside the cache's ", p.num_blocks, " blocks");
     }
     max_queries = std::max(max_queries, queries);
     max_seq_len = std::max(max_seq_len, seq_len);
@@ -107,8 +107,8 @@ inline PagedAppendParams make_append_params(const at::Tensor& key, const at::Ten
               "slot_mapping must be 1-D [num_tokens], got shape ", slot_mapping.sizes());
   check_index_tensor(kAppendOp, slot_mapping, "slot_mapping", at::kLong, k_cache.device());
   TORCH_CHECK(value.size(0) == key.size(0) && slot_mapping.size(0) == key.size(0), kAppendOp,
-              "key, value and slot_mapping must have one entry per token, got ", key.size(0),
-              ", ", value.size(0), " and ", slot_mapping.size(0));
+              "key, value and slot_mapping must have one entry per token, got ", key.size(0), ", ",
+              value.size(0), " and ", slot_mapping.size(0));
   TORCH_CHECK(key.size(1) == k_cache.size(1) && value.size(1) == k_cache.size(1), kAppendOp,
               "key and value have ", key.size(1), " and ", value.size(1),
               " kv heads but the cache has ", k_cache.size(1));
@@ -163,22 +163,20 @@ inline PagedAttentionParams make_paged_attention_params(
   check_rank(kPagedOp, q, "q", 3, "[total_q, num_heads, head_dim]");
   check_caches(kPagedOp, k_cache, v_cache);
   check_same_dtype(kPagedOp, q, "q", k_cache, "k_cache");
-  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, kPagedOp,
-              "the cache has ", k_cache.size(1), " kv heads, which does not divide q's ",
-              q.size(1), " heads");
+  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, kPagedOp, "the cache has ",
+              k_cache.size(1), " kv heads, which does not divide q's ", q.size(1), " heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), kPagedOp, "q has head_dim ", q.size(2),
               " but k_cache has ", k_cache.size(3));
-  TORCH_CHECK(q.size(2) <= kMaxHeadDim && v_cache.size(3) <= kMaxHeadDim, kPagedOp,
-              "head_dim ", q.size(2), " (q, k) and ", v_cache.size(3), " (v) must not exceed ",
-              kMaxHeadDim);
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim && v_cache.size(3) <= kMaxHeadDim, kPagedOp, "head_dim ",
+              q.size(2), " (q, k) and ", v_cache.size(3), " (v) must not exceed ", kMaxHeadDim);
   TORCH_CHECK(block_tables.dim() == 2, kPagedOp,
               "block_tables must be 2-D [batch, max_blocks], got shape ", block_tables.sizes());
   TORCH_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1, kPagedOp,
               "block_tables must have a contiguous last dimension, got strides ",
               block_tables.strides());
-  for (const auto& [tensor, name] : {std::pair{&block_tables, "block_tables"},
-                                     std::pair{&seq_lens, "seq_lens"},
-                                     std::pair{&cu_seqlens_q, "cu_seqlens_q"}}) {
+  for (const auto& [tensor, name] :
+       {std::pair{&block_tables, "block_tables"}, std::pair{&seq_lens, "seq_lens"},
+        std::pair{&cu_seqlens_q, "cu_seqlens_q"}}) {
     check_index_tensor(kPagedOp, *tensor, name, at::kInt, k_cache.device());
   }
   const int64_t batch = block_tables.size(0);
@@ -250,7 +248,8 @@ inline PagedAttentionTensors allocate_paged_tensors(PagedAttentionParams& params
   if (params.num_kv_splits > 1) {
     t.partial_out = at::empty(
         {params.num_kv_splits, params.total_q, params.num_heads, params.head_dim_v}, acc_options);
-    t.partial_lse = at::empty({params.num_kv_splits, params.total_q, params.num_heads}, acc_options);
+    t.partial_lse =
+        at::empty({params.num_kv_splits, params.total_q, params.num_heads}, acc_options);
     params.partial_out = t.partial_out.data_ptr();
     params.partial_lse = t.partial_lse.data_ptr();
   }

@@ -28,8 +28,8 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype) {
 
 void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t dim,
                 const char* dims) {
-  TORCH_CHECK(t.dim() == dim, op, name, " must be a ", dim, "-D tensor ", dims, ", got ",
-              t.dim(), "-D with shape ", t.sizes());
+  TORCH_CHECK(t.dim() == dim, op, name, " must be a ", dim, "-D tensor ", dims, ", got ", t.dim(),
+              "-D with shape ", t.sizes());
   TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1 || t.numel() == 0, op, name,
               " must have a contiguous last dimension (stride 1), got strides ", t.strides());
 }
@@ -42,8 +42,8 @@ void check_same_dtype(const char* op, const at::Tensor& a, const char* a_name, c
               " is on ", b.device());
 }
 
-void check_index_tensor(const char* op, const at::Tensor& t, const char* name,
-                        at::ScalarType dtype, const at::Device& device) {
+void check_index_tensor(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype,
+                        const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype_name(dtype), ", got ",
               dtype_name(t.scalar_type()));
   TORCH_CHECK(t.device() == device, op, name, " is on ", t.device(), " but the cache is on ",

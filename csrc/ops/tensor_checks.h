@@ -36,8 +36,8 @@ void check_same_dtype(const char* op, const at::Tensor& a, const char* a_name, c
                       const char* b_name);
 
 // An index tensor has `dtype` and lives on `device` (the cache's).
-void check_index_tensor(const char* op, const at::Tensor& t, const char* name,
-                        at::ScalarType dtype, const at::Device& device);
+void check_index_tensor(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype,
+                        const at::Device& device);
 
 // Strides of dims 0..2 of a 4-D tensor whose last dim is contiguous.
 RowStrides row_strides(const at::Tensor& t);

@@ -7,6 +7,7 @@ Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fracti
 machine's roofline, measured side by side with each case), and writes results.json and one
 PNG per suite (with matplotlib installed) to --out.
 """
+
 import argparse
 import platform
 import sys
@@ -20,9 +21,18 @@ import mha_ext
 from . import report, roofline
 from .suites import DECODE_BATCH, MODELS, SUITES, build_cases, run_case
 
-QUICK = {"models": ["gpt2-small", "llama2-70b"], "seq": [512], "context": [1024], "append_context": [512, 4096, 32768]}
-FULL = {"models": list(MODELS), "seq": [512, 1024, 2048], "context": [1024, 4096],
-        "append_context": [512, 2048, 8192, 32768]}
+QUICK = {
+    "models": ["gpt2-small", "llama2-70b"],
+    "seq": [512],
+    "context": [1024],
+    "append_context": [512, 4096, 32768],
+}
+FULL = {
+    "models": list(MODELS),
+    "seq": [512, 1024, 2048],
+    "context": [1024, 4096],
+    "append_context": [512, 2048, 8192, 32768],
+}
 
 
 class Progress:
@@ -37,8 +47,10 @@ class Progress:
         if self.enabled:
             filled = 30 * self.done // self.total
             elapsed = time.perf_counter() - self.start
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                             f"{elapsed:5.0f}s {label[:50]:<50}")
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                f"{elapsed:5.0f}s {label[:50]:<50}"
+            )
             sys.stderr.flush()
 
     def close(self):
@@ -47,20 +59,42 @@ class Progress:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m mha_ext.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mha_ext.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--suite", nargs="+", default=list(SUITES), choices=SUITES)
-    parser.add_argument("--quick", action="store_true", help="small shapes: the whole run under 2 minutes")
+    parser.add_argument(
+        "--quick", action="store_true", help="small shapes: the whole run under 2 minutes"
+    )
     parser.add_argument("--models", nargs="+", choices=list(MODELS))
-    parser.add_argument("--seq", nargs="+", type=int, help="sequence lengths of the attention suites")
+    parser.add_argument(
+        "--seq", nargs="+", type=int, help="sequence lengths of the attention suites"
+    )
     parser.add_argument("--context", nargs="+", type=int, help="contexts of the decode suite")
-    parser.add_argument("--append-context", nargs="+", type=int, help="contexts of the append suite")
-    parser.add_argument("--decode-batch", type=int, default=DECODE_BATCH, help="sequences per decode step")
-    parser.add_argument("--append-batch", type=int, default=1, help="sequences per append call (one token each)")
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--append-context", nargs="+", type=int, help="contexts of the append suite"
+    )
+    parser.add_argument(
+        "--decode-batch", type=int, default=DECODE_BATCH, help="sequences per decode step"
+    )
+    parser.add_argument(
+        "--append-batch", type=int, default=1, help="sequences per append call (one token each)"
+    )
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, help="timed repeats per case (median); default 3 quick, 5 full")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for results.json and the plots")
+    parser.add_argument(
+        "--repeats", type=int, help="timed repeats per case (median); default 3 quick, 5 full"
+    )
+    parser.add_argument(
+        "--out", default="benchmarks/results", help="folder for results.json and the plots"
+    )
     parser.add_argument("--no-plots", action="store_true")
     return parser.parse_args(argv)
 
@@ -71,19 +105,41 @@ def main(argv=None):
     device = torch.device(args.device)
     dtypes = [getattr(torch, d) for d in args.dtype]
     repeats = args.repeats or (3 if args.quick else 5)
-    machine = {"torch": torch.__version__, "mha_ext": mha_ext.build_info(), "threads": torch.get_num_threads(),
-               "device": str(device), "processor": platform.processor() or platform.machine(),
-               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    print(f"mha_ext {machine['mha_ext']['version']} ({machine['mha_ext']['cpu_isa']} CPU kernels), torch "
-          f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}")
+    machine = {
+        "torch": torch.__version__,
+        "mha_ext": mha_ext.build_info(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "processor": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    print(
+        f"mha_ext {machine['mha_ext']['version']} ({machine['mha_ext']['cpu_isa']} CPU "
+        f"kernels), torch "
+        f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}"
+    )
     print("measuring the roofline ...", flush=True)
     probes = roofline.probes(dtypes, device, args.quick)
     ceilings = roofline.measure(probes, device, args.quick)
-    print("roofline: " + ", ".join(f"{k} {v:.1f} {'GB/s' if k == 'stream_read' else 'GFLOP/s'}" for k, v in ceilings.items()))
+    print(
+        "roofline: "
+        + ", ".join(
+            f"{k} {v:.1f} {'GB/s' if k == 'stream_read' else 'GFLOP/s'}"
+            for k, v in ceilings.items()
+        )
+    )
 
-    factories = build_cases(args.suite, args.models or sizes["models"], args.seq or sizes["seq"],
-                            args.context or sizes["context"], args.append_context or sizes["append_context"],
-                            dtypes, device, args.decode_batch, args.append_batch)
+    factories = build_cases(
+        args.suite,
+        args.models or sizes["models"],
+        args.seq or sizes["seq"],
+        args.context or sizes["context"],
+        args.append_context or sizes["append_context"],
+        dtypes,
+        device,
+        args.decode_batch,
+        args.append_batch,
+    )
     progress = Progress(len(factories))
     results = []
     for factory in factories:
@@ -103,7 +159,11 @@ def main(argv=None):
     print(f"\nwrote {out / 'results.json'}")
     if not args.no_plots:
         plots = report.write_plots(out, results)
-        print(f"wrote {', '.join(str(p) for p in plots)}" if plots else "plots skipped: pip install matplotlib")
+        print(
+            f"wrote {', '.join(str(p) for p in plots)}"
+            if plots
+            else "plots skipped: pip install matplotlib"
+        )
     return results
 
 

@@ -1,4 +1,5 @@
 """Tables on the terminal, JSON, and PNG plots (matplotlib, optional) of suite results."""
+
 import json
 from pathlib import Path
 from typing import Dict, List
@@ -21,7 +22,9 @@ PER_CALL_SUITES = {"call_overhead"}
 def _contenders(results: List[Dict]) -> List[str]:
     names: List[str] = []
     for result in results:
-        names += [n for n in list(result["results"]) + list(result["unsupported"]) if n not in names]
+        names += [
+            n for n in list(result["results"]) + list(result["unsupported"]) if n not in names
+        ]
     return names
 
 
@@ -52,8 +55,13 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
         line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
         lines.append(line)
-    lines.append("roofline: " + ", ".join(_roofline_summary(key, roofline[key], results)
-                                          for key in sorted({r["roofline"] for r in results})))
+    lines.append(
+        "roofline: "
+        + ", ".join(
+            _roofline_summary(key, roofline[key], results)
+            for key in sorted({r["roofline"] for r in results})
+        )
+    )
     if suite == "cache_append":
         lines += _append_summary(results)
     return "\n".join(lines)
@@ -63,7 +71,11 @@ def _roofline_summary(key: str, headline: float, results: List[Dict]) -> str:
     """key = its rate before the suites, and the range of its rates side by side with the cases."""
     unit = "GB/s" if key == "stream_read" else "GFLOP/s"
     rates = [r["roofline_rate"] for r in results if r["roofline"] == key]
-    with_cases = f"the case: {rates[0]:.1f}" if len(rates) == 1 else f"the cases: {min(rates):.1f} - {max(rates):.1f}"
+    with_cases = (
+        f"the case: {rates[0]:.1f}"
+        if len(rates) == 1
+        else f"the cases: {min(rates):.1f} - {max(rates):.1f}"
+    )
     return f"{key} = {headline:.1f} {unit} (with {with_cases})"
 
 
@@ -72,14 +84,19 @@ def _append_summary(results: List[Dict]) -> List[str]:
     lines = []
     for name in first["results"]:
         per_call = [r["results"][name]["seconds_per_call"] * 1e6 for r in (first, last)]
-        lines.append(f"{name}: {per_call[0]:.2f} us per token at context {first['params']['context']}, "
-                     f"{per_call[1]:.2f} us at {last['params']['context']} (ratio {per_call[1] / per_call[0]:.2f})")
+        lines.append(
+            f"{name}: {per_call[0]:.2f} us per token at context {first['params']['context']}, "
+            f"{per_call[1]:.2f} us at {last['params']['context']} "
+            f"(ratio {per_call[1] / per_call[0]:.2f})"
+        )
     return lines
 
 
 def write_json(path: Path, machine: Dict, roofline: Dict[str, float], results: List[Dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine, "roofline": roofline, "results": results}, indent=2))
+    path.write_text(
+        json.dumps({"machine": machine, "roofline": roofline, "results": results}, indent=2)
+    )
 
 
 def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
@@ -101,19 +118,32 @@ def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
         if not suite_results:
             continue
         x_key = "seq" if "seq" in suite_results[0]["params"] else "context"
-        panels = sorted({r["params"].get("model", "llama2-7b layer") + (" causal" if r["params"].get("causal") else "")
-                         for r in suite_results})
+        panels = sorted(
+            {
+                r["params"].get("model", "llama2-7b layer")
+                + (" causal" if r["params"].get("causal") else "")
+                for r in suite_results
+            }
+        )
         figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
         for axis, panel in zip(axes[0], panels):
             lines: Dict[str, List] = {}
             for r in suite_results:
-                if r["params"].get("model", "llama2-7b layer") + (" causal" if r["params"].get("causal") else "") != panel:
+                if (
+                    r["params"].get("model", "llama2-7b layer")
+                    + (" causal" if r["params"].get("causal") else "")
+                    != panel
+                ):
                     continue
                 for name, entry in r["results"].items():
-                    lines.setdefault(f"{name} {r['params']['dtype']}", []).append((r["params"][x_key], entry["throughput"]))
+                    lines.setdefault(f"{name} {r['params']['dtype']}", []).append(
+                        (r["params"][x_key], entry["throughput"])
+                    )
             for line_label, points in sorted(lines.items()):
                 points.sort()
-                axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=line_label)
+                axis.plot(
+                    [p[0] for p in points], [p[1] for p in points], marker="o", label=line_label
+                )
             axis.set_title(panel)
             axis.set_xscale("log", base=2)
             axis.set_yscale("log")

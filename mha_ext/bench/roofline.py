@@ -4,6 +4,7 @@ runs once before the suites, for the run's headline ceilings, and again side by 
 every case's contenders (suites.run_case), so that a case's fraction of the roofline compares
 runs made under the same conditions: on a shared VM the matmul's rate drifted by 25% between
 suites of one run."""
+
 import glob
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable
@@ -20,7 +21,9 @@ class Probe:
 
     def rate(self, device: torch.device, warmup: int = 1, repeats: int = 5) -> float:
         """GFLOP/s or GB/s: work over the median time of a call."""
-        seconds = median_seconds({"probe": self.step}, warmup=warmup, repeats=repeats, device=device)
+        seconds = median_seconds(
+            {"probe": self.step}, warmup=warmup, repeats=repeats, device=device
+        )
         return self.work / seconds["probe"] / 1e9
 
 
@@ -32,9 +35,11 @@ def matmul_probe(dtype: torch.dtype, device: torch.device, max_size: int = 2048)
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        seconds = median_seconds({"matmul": lambda: torch.matmul(a, b)}, warmup=1, repeats=1, device=device)
+        seconds = median_seconds(
+            {"matmul": lambda: torch.matmul(a, b)}, warmup=1, repeats=1, device=device
+        )
         if seconds["matmul"] >= 0.05 or size >= max_size:
-            return Probe(lambda: torch.matmul(a, b), 2.0 * size ** 3)
+            return Probe(lambda: torch.matmul(a, b), 2.0 * size**3)
         size *= 2
 
 
@@ -67,4 +72,6 @@ def probes(dtypes: Iterable[torch.dtype], device: torch.device, quick: bool) -> 
 
 def measure(found: Dict[str, Probe], device: torch.device, quick: bool) -> Dict[str, float]:
     """{"matmul_<dtype>": GFLOP/s, ..., "stream_read": GB/s}"""
-    return {key: probe.rate(device, warmup=2, repeats=3 if quick else 5) for key, probe in found.items()}
+    return {
+        key: probe.rate(device, warmup=2, repeats=3 if quick else 5) for key, probe in found.items()
+    }

@@ -9,6 +9,7 @@ where fixed costs weigh as much as the arithmetic). Contenders: mha_ext, torch S
 CUDA its flash, cuDNN and efficient backends separately) and the textbook "naive"
 attention the seed tutorial writes out, where its O(S^2) memory allows.
 """
+
 import contextlib
 import itertools
 from dataclasses import dataclass, field, replace
@@ -32,8 +33,14 @@ MODELS = {
 }
 # The grouped-query prefill shape of the CPU performance targets: 32 query / 8 kv heads.
 GQA_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
-SUITES = ("forward", "forward_backward", "gqa_prefill", "paged_decode", "cache_append",
-          "call_overhead")
+SUITES = (
+    "forward",
+    "forward_backward",
+    "gqa_prefill",
+    "paged_decode",
+    "cache_append",
+    "call_overhead",
+)
 # Small forward calls (batch 1), where fixed costs (Python, dispatch, autograd, allocation,
 # threads) matter as much as arithmetic: a decode step of one head, a short prompt, and
 # issue 5's small case (12 heads, 128 tokens, head dim 64). (heads, seq, head_dim)
@@ -97,11 +104,15 @@ def _backend(backend):
     return sdpa_kernel(backend)
 
 
-def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, backward, device) -> Case:
+def attention_case(
+    suite, name, heads, kv_heads, head_dim, seq, dtype, causal, backward, device
+) -> Case:
     generator = torch.Generator().manual_seed(0)
     shapes = [(1, h, seq, head_dim) for h in (heads, kv_heads, kv_heads)]
-    q, k, v = (torch.randn(s, generator=generator).to(device=device, dtype=dtype).requires_grad_(backward)
-               for s in shapes)
+    q, k, v = (
+        torch.randn(s, generator=generator).to(device=device, dtype=dtype).requires_grad_(backward)
+        for s in shapes
+    )
     grad_out = torch.randn(shapes[0], generator=generator).to(device=device, dtype=dtype)
     gqa = heads != kv_heads
 
@@ -113,44 +124,88 @@ def attention_case(suite, name, heads, kv_heads, head_dim, seq, dtype, causal, b
             out = attend()
             if backward:
                 torch.autograd.grad(out, (q, k, v), grad_out)
+
         return step
 
-    steps = {"mha_ext": step_of(lambda: functional.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, enable_gqa=gqa))}
+    steps = {
+        "mha_ext": step_of(
+            lambda: functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=gqa
+            )
+        )
+    }
     for contender, backend in _torch_sdpa_contenders(device).items():
+
         def torch_attend(backend=backend):
             with _backend(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
         steps[contender] = step_of(torch_attend)
     if seq <= NAIVE_MAX_SEQ:
-        steps["naive"] = step_of(lambda: attention_reference(q, k, v, causal="top_left" if causal else None)[0])
+        steps["naive"] = step_of(
+            lambda: attention_reference(q, k, v, causal="top_left" if causal else None)[0]
+        )
     label = f"{name} {dtype_name(dtype)} S={seq}{' causal' if causal else ''}"
-    params = {"model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "seq": seq,
-              "dtype": dtype_name(dtype), "causal": causal, "backward": backward}
-    return Case(suite, label, params, attention_flops(1, heads, seq, seq, head_dim, causal, backward),
-                "GFLOP/s", f"matmul_{dtype_name(dtype)}", steps,
-                baseline=next(iter(_torch_sdpa_contenders(device))))
+    params = {
+        "model": name,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "seq": seq,
+        "dtype": dtype_name(dtype),
+        "causal": causal,
+        "backward": backward,
+    }
+    return Case(
+        suite,
+        label,
+        params,
+        attention_flops(1, heads, seq, seq, head_dim, causal, backward),
+        "GFLOP/s",
+        f"matmul_{dtype_name(dtype)}",
+        steps,
+        baseline=next(iter(_torch_sdpa_contenders(device))),
+    )
 
 
-def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH,
-                 block_size=16) -> Case:
+def _decode_case(
+    name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH, block_size=16
+) -> Case:
     """One decode step of one layer. A model's step reads every layer's cache once, so on a CPU
     the steps cycle through enough layers that their caches are twice the size of the CPU's
     largest cache: each step reads its K/V from memory, as in a real model."""
     generator = torch.Generator().manual_seed(0)
     layer_bytes = 2 * batch * kv_heads * context * head_dim * dtype.itemsize
-    layers = max(1, -(-2 * cpu_cache_bytes() // layer_bytes)) if device.type == "cpu" else 1  # 1 if unknown
-    cache = PagedKVCache(layers, batch * -(-context // block_size), block_size, kv_heads, head_dim, dtype=dtype,
-                         device=device)
+    layers = (
+        max(1, -(-2 * cpu_cache_bytes() // layer_bytes)) if device.type == "cpu" else 1
+    )  # 1 if unknown
+    cache = PagedKVCache(
+        layers,
+        batch * -(-context // block_size),
+        block_size,
+        kv_heads,
+        head_dim,
+        dtype=dtype,
+        device=device,
+    )
     seqs = [cache.allocate() for _ in range(batch)]
     prefill = cache.prepare(seqs, [context] * batch)
     contiguous = []  # per layer: K, V   (B, Hkv, S, D)
     for layer in range(layers):
-        k, v = (torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(device=device, dtype=dtype)
-                for _ in range(2))
+        k, v = (
+            torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(
+                device=device, dtype=dtype
+            )
+            for _ in range(2)
+        )
         # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
-        functional.paged_kv_append(k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1),
-                                   cache.key_caches[layer], cache.value_caches[layer], prefill.slot_mapping)
+        functional.paged_kv_append(
+            k.transpose(1, 2).flatten(0, 1),
+            v.transpose(1, 2).flatten(0, 1),
+            cache.key_caches[layer],
+            cache.value_caches[layer],
+            prefill.slot_mapping,
+        )
         contiguous.append((k, v))
     q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -161,78 +216,159 @@ def _decode_case(name, heads, kv_heads, head_dim, context, dtype, device, batch=
         next_layer = itertools.cycle(range(layers))
         return lambda: step(next(next_layer))
 
-    steps = {"mha_ext": rotating(lambda layer: functional.paged_attention(
-        q_packed, cache.key_caches[layer], cache.value_caches[layer], prefill.block_tables, prefill.seq_lens,
-        one_query_each))}
+    steps = {
+        "mha_ext": rotating(
+            lambda layer: functional.paged_attention(
+                q_packed,
+                cache.key_caches[layer],
+                cache.value_caches[layer],
+                prefill.block_tables,
+                prefill.seq_lens,
+                one_query_each,
+            )
+        )
+    }
     for contender, backend in _torch_sdpa_contenders(device).items():
+
         def torch_decode(layer, backend=backend):
             with _backend(backend):
                 F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+
         steps[contender] = rotating(torch_decode)
     steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
     label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
-    params = {"model": name, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "context": context,
-              "batch": batch, "dtype": dtype_name(dtype), "block_size": block_size, "layers": layers}
-    return Case("paged_decode", label, params, layer_bytes, "GB/s", "stream_read", steps,
-                baseline=next(iter(_torch_sdpa_contenders(device))))
+    params = {
+        "model": name,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "context": context,
+        "batch": batch,
+        "dtype": dtype_name(dtype),
+        "block_size": block_size,
+        "layers": layers,
+    }
+    return Case(
+        "paged_decode",
+        label,
+        params,
+        layer_bytes,
+        "GB/s",
+        "stream_read",
+        steps,
+        baseline=next(iter(_torch_sdpa_contenders(device))),
+    )
 
 
 def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size=16) -> Case:
     """One token of a Llama-2 7B layer (fp32) for each of `batch` sequences, into a cache
     already holding `context` tokens of each."""
     tokens = context + APPEND_TOKENS_PER_RUN
-    cache = PagedKVCache(1, batch * -(-tokens // block_size), block_size, kv_heads, head_dim, device=device)
+    cache = PagedKVCache(
+        1, batch * -(-tokens // block_size), block_size, kv_heads, head_dim, device=device
+    )
     seqs = [cache.allocate() for _ in range(batch)]
     cache.prepare(seqs, [tokens] * batch)
     # slots[i]: the slot of token context + i of every sequence   [APPEND_TOKENS_PER_RUN, batch]
-    slots = torch.stack([
-        functional.slot_mapping_for(torch.tensor(cache.block_table(seq), device=device),
-                                    torch.arange(context, tokens, device=device), block_size)
-        for seq in seqs], dim=1)
+    slots = torch.stack(
+        [
+            functional.slot_mapping_for(
+                torch.tensor(cache.block_table(seq), device=device),
+                torch.arange(context, tokens, device=device),
+                block_size,
+            )
+            for seq in seqs
+        ],
+        dim=1,
+    )
     key, value = (torch.randn(batch, kv_heads, head_dim, device=device) for _ in range(2))
-    contiguous = [tuple(torch.randn(batch, kv_heads, context, head_dim, device=device) for _ in range(2))]
+    contiguous = [
+        tuple(torch.randn(batch, kv_heads, context, head_dim, device=device) for _ in range(2))
+    ]
     new_k, new_v = key.view(batch, kv_heads, 1, head_dim), value.view(batch, kv_heads, 1, head_dim)
 
     def paged():  # tokens context, context + 1, ... each written in place by its own call
         for step_slots in slots:
-            functional.paged_kv_append(key, value, cache.key_caches[0], cache.value_caches[0], step_slots)
+            functional.paged_kv_append(
+                key, value, cache.key_caches[0], cache.value_caches[0], step_slots
+            )
 
     def seed_torch_cat():  # the seed tutorial's update_kv_cache: concatenation copies the cache
         k_cache, v_cache = contiguous[0]
         torch.cat([k_cache, new_k], dim=2), torch.cat([v_cache, new_v], dim=2)
 
     token_bytes = 2 * key.numel() * key.element_size()
-    params = {"context": context, "batch": batch, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "float32"}
+    params = {
+        "context": context,
+        "batch": batch,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": "float32",
+    }
     label = f"llama2-7b layer ctx={context}" + (f" batch={batch}" if batch > 1 else "")
     # Timed apart, not interleaved: each torch.cat maps a context-sized buffer, which would
     # leave the next paged append with cold caches and TLB.
-    return Case("cache_append", label, params, token_bytes, "GB/s", "stream_read",
-                {"mha_ext": paged, "seed_torch_cat": seed_torch_cat}, baseline="seed_torch_cat",
-                interleave=False, per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1})
+    return Case(
+        "cache_append",
+        label,
+        params,
+        token_bytes,
+        "GB/s",
+        "stream_read",
+        {"mha_ext": paged, "seed_torch_cat": seed_torch_cat},
+        baseline="seed_torch_cat",
+        interleave=False,
+        per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1},
+    )
 
 
 def _call_overhead_case(heads, seq, head_dim, dtype, device) -> Case:
     """The attention forward case of one small shape, each step CALLS_PER_STEP calls back to
     back, reported per call."""
-    single = attention_case("call_overhead", "small", heads, heads, head_dim, seq, dtype,
-                            causal=False, backward=False, device=device)
+    single = attention_case(
+        "call_overhead",
+        "small",
+        heads,
+        heads,
+        head_dim,
+        seq,
+        dtype,
+        causal=False,
+        backward=False,
+        device=device,
+    )
 
     def repeated(step):
         def run():
             for _ in range(CALLS_PER_STEP):
                 step()
+
         return run
 
     steps = {name: repeated(step) for name, step in single.steps.items()}
     # Timed apart, not interleaved: timed between the other contenders and the roofline
     # probe's matmul, a (1, 1, 1, 64) fp32 call read 5.2-5.6 us for mha_ext and 6.1-6.9 for
     # torch, against 3.3-3.5 and 4.9-5.1 timed alone as in a plain loop of calls (2 Xeon cores).
-    return replace(single, label=f"{(1, heads, seq, head_dim)} {dtype_name(dtype)}", steps=steps,
-                   interleave=False, per_call=dict.fromkeys(steps, CALLS_PER_STEP))
+    return replace(
+        single,
+        label=f"{(1, heads, seq, head_dim)} {dtype_name(dtype)}",
+        steps=steps,
+        interleave=False,
+        per_call=dict.fromkeys(steps, CALLS_PER_STEP),
+    )
 
 
-def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device, decode_batch=DECODE_BATCH,
-                append_batch=1) -> List[Callable[[], Case]]:
+def build_cases(
+    suites,
+    models,
+    seqs,
+    contexts,
+    append_contexts,
+    dtypes,
+    device,
+    decode_batch=DECODE_BATCH,
+    append_batch=1,
+) -> List[Callable[[], Case]]:
     """Case factories (cases allocate their tensors only when they run)."""
     factories = []
     for suite in suites:
@@ -242,33 +378,56 @@ def build_cases(suites, models, seqs, contexts, append_contexts, dtypes, device,
                 for dtype in dtypes:
                     for seq in seqs:
                         for causal in (False, True):
+                            shape = (model, heads, kv_heads, head_dim, seq, dtype, causal)
                             factories.append(
-                                lambda su=suite, m=model, h=heads, kv=kv_heads, d=head_dim, s=seq, t=dtype, c=causal:
-                                attention_case(su, m, h, kv, d, s, t, c, su == "forward_backward", device))
+                                lambda su=suite, shape=shape: attention_case(
+                                    su, *shape, su == "forward_backward", device
+                                )
+                            )
         elif suite == "gqa_prefill":
             for dtype in dtypes:
                 for seq in seqs:
-                    factories.append(lambda t=dtype, s=seq: attention_case("gqa_prefill", *GQA_SHAPE, s, t, True, False, device))
+                    factories.append(
+                        lambda t=dtype, s=seq: attention_case(
+                            "gqa_prefill", *GQA_SHAPE, s, t, True, False, device
+                        )
+                    )
         elif suite == "paged_decode":
-            for name, heads, kv_heads in (("llama2-7b", 32, 32), (GQA_SHAPE[0], 32, 8), ("llama2-70b", 64, 8)):
+            for name, heads, kv_heads in (
+                ("llama2-7b", 32, 32),
+                (GQA_SHAPE[0], 32, 8),
+                ("llama2-70b", 64, 8),
+            ):
                 for dtype in dtypes:
                     for context in contexts:
-                        factories.append(lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(n, h, kv, 128, c, t, device, decode_batch))
+                        factories.append(
+                            lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(
+                                n, h, kv, 128, c, t, device, decode_batch
+                            )
+                        )
         elif suite == "cache_append":
             for context in append_contexts:
                 factories.append(lambda c=context: _append_case(c, device, append_batch))
         elif suite == "call_overhead":
             for dtype in dtypes:
                 for heads, seq, head_dim in CALL_OVERHEAD_SHAPES:
-                    factories.append(lambda h=heads, s=seq, d=head_dim, t=dtype:
-                                     _call_overhead_case(h, s, d, t, device))
+                    factories.append(
+                        lambda h=heads, s=seq, d=head_dim, t=dtype: _call_overhead_case(
+                            h, s, d, t, device
+                        )
+                    )
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return factories
 
 
-def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repeats: int,
-             probes: Optional[Dict[str, Probe]] = None) -> Dict:
+def run_case(
+    case: Case,
+    roofline: Dict[str, float],
+    device: torch.device,
+    repeats: int,
+    probes: Optional[Dict[str, Probe]] = None,
+) -> Dict:
     """Times a case; returns its JSON-ready result. A contender with no kernel for this
     device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
     where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
@@ -279,8 +438,10 @@ def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repea
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
         if naive_seconds > NAIVE_MAX_SECONDS:
-            unsupported["naive"] = (f"not timed: its matmuls alone take {naive_seconds:.0f} s per call at this run's "
-                                    f"{case.roofline_key} rate")
+            unsupported["naive"] = (
+                f"not timed: its matmuls alone take {naive_seconds:.0f} s per call at this run's "
+                f"{case.roofline_key} rate"
+            )
             del case.steps["naive"]
     for name, step in list(case.steps.items()):
         try:
@@ -296,17 +457,30 @@ def run_case(case: Case, roofline: Dict[str, float], device: torch.device, repea
         seconds = {}
         for name, step in steps.items():
             seconds.update(median_seconds({name: step}, warmup=2, repeats=repeats, device=device))
-    ceiling = probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
+    ceiling = (
+        probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
+    )
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
         throughput = case.work * calls / step_seconds / 1e9
-        results[name] = {"seconds_per_call": step_seconds / calls, "throughput": throughput,
-                         "roofline_fraction": throughput / ceiling}
+        results[name] = {
+            "seconds_per_call": step_seconds / calls,
+            "throughput": throughput,
+            "roofline_fraction": throughput / ceiling,
+        }
     if case.baseline in results:
         baseline = results[case.baseline]["seconds_per_call"]
         for entry in results.values():
             entry["speedup_vs_baseline"] = baseline / entry["seconds_per_call"]
-    return {"suite": case.suite, "label": case.label, "params": case.params, "unit": case.unit,
-            "roofline": case.roofline_key, "roofline_rate": ceiling, "baseline": case.baseline, "results": results,
-            "unsupported": unsupported}
+    return {
+        "suite": case.suite,
+        "label": case.label,
+        "params": case.params,
+        "unit": case.unit,
+        "roofline": case.roofline_key,
+        "roofline_rate": ceiling,
+        "baseline": case.baseline,
+        "results": results,
+        "unsupported": unsupported,
+    }

@@ -2,6 +2,7 @@
 machines), then the median of several repeats, contenders interleaved repeat by repeat so
 drift on a shared machine hits all of them alike. On CUDA, CUDA events time the device and
 every measurement synchronises."""
+
 import statistics
 import time
 from typing import Callable, Dict
@@ -22,8 +23,12 @@ def _elapsed_seconds(step: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start_time
 
 
-def median_seconds(steps: Dict[str, Callable[[], None]], warmup: int = 1, repeats: int = 5,
-                   device: torch.device = torch.device("cpu")) -> Dict[str, float]:
+def median_seconds(
+    steps: Dict[str, Callable[[], None]],
+    warmup: int = 1,
+    repeats: int = 5,
+    device: torch.device = torch.device("cpu"),
+) -> Dict[str, float]:
     """Median wall time (device time on CUDA) of each step, the steps run interleaved."""
     for step in steps.values():
         for _ in range(warmup):

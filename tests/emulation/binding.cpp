@@ -28,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_kv_append", &mha_ext::paged_kv_append<Backend>);
   m.def("paged_attention", &mha_ext::paged_attention<Backend>);
   m.def("merge_attention_states", &mha_ext::merge_attention_states<Backend>);
-  m.def("set_multiprocessor_count", [](int count) { mha_ext::cuda::emulated_multiprocessors = count; });
+  m.def("set_multiprocessor_count",
+        [](int count) { mha_ext::cuda::emulated_multiprocessors = count; });
 }

@@ -92,8 +92,9 @@ class Block {
         if (!fiber.done) ++live;
       }
       if (live > 0 && progress_ == progress_before) {
-        throw std::runtime_error("emu: deadlock: every live thread waits at a barrier or shuffle that not all "
-                                 "threads of its block/warp reach");
+        throw std::runtime_error(
+            "emu: deadlock: every live thread waits at a barrier or shuffle that not all "
+            "threads of its block/warp reach");
       }
     }
   }

@@ -22,11 +22,13 @@ void paged_kv_append(const PagedAppendParams& p) {
       const CacheSlot slot = slot_location(p.slot_mapping[t], p.block_size);
       for (int64_t h = 0; h < p.num_kv_heads; ++h) {
         std::memcpy(k_cache + (slot.block * p.k_cache_strides.block + h * p.k_cache_strides.head +
-                               slot.offset * p.k_cache_strides.offset) * bytes,
+                               slot.offset * p.k_cache_strides.offset) *
+                                  bytes,
                     key + (t * p.key_strides.token + h * p.key_strides.head) * bytes,
                     p.head_dim * bytes);
         std::memcpy(v_cache + (slot.block * p.v_cache_strides.block + h * p.v_cache_strides.head +
-                               slot.offset * p.v_cache_strides.offset) * bytes,
+                               slot.offset * p.v_cache_strides.offset) *
+                                  bytes,
                     value + (t * p.value_strides.token + h * p.value_strides.head) * bytes,
                     p.head_dim_v * bytes);
       }

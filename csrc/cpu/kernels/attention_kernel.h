@@ -80,16 +80,16 @@ void mask_scores_tile(acc_t* s_tile, int64_t ld, int64_t rows, int64_t cols,
 
 // Multiplies kept entries of one probability row by 1 / (1 - p) and zeroes dropped ones.
 template <typename acc_t>
-void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dropout,
-                       int64_t batch, int64_t head, int64_t row, int64_t key0) {
+void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dropout, int64_t batch,
+                       int64_t head, int64_t row, int64_t key0) {
   const acc_t keep_scale = static_cast<acc_t>(dropout.keep_scale);
   int64_t c = 0;
   while (c < cols) {
     const int64_t col = key0 + c;
     const Philox4x32 bits = dropout_bits(dropout.seed, batch, head, row, col);
     for (int64_t lane = col & 3; lane < 4 && c < cols; ++lane, ++c) {
-      row_values[c] = dropout_word_kept(dropout, bits.word[lane]) ? row_values[c] * keep_scale
-                                                                  : acc_t(0);
+      row_values[c] =
+          dropout_word_kept(dropout, bits.word[lane]) ? row_values[c] * keep_scale : acc_t(0);
     }
   }
 }
@@ -150,7 +150,9 @@ struct ForwardTask {
     return visible_keys(p.window, first_block * kQueryBlock, p.seq_k).begin / kKeyBlock * kKeyBlock;
   }
   int64_t key_end() const {
-    return visible_keys(p.window, std::min(p.seq_q, (first_block + blocks) * kQueryBlock) - 1, p.seq_k).end;
+    return visible_keys(p.window, std::min(p.seq_q, (first_block + blocks) * kQueryBlock) - 1,
+                        p.seq_k)
+        .end;
   }
   // Whether some row of sub-block i sees a key of [key0, key0 + cols).
   bool sees(int64_t i, int64_t key0, int64_t cols) const {
@@ -187,8 +189,8 @@ struct ForwardTask {
 // the rows a sub-block has: a decode step's single query row would otherwise zero 64. Each
 // row has sum_lanes partial sums in row_sum.
 template <typename acc_t>
-void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max, acc_t* row_sum,
-                int64_t sum_lanes = 1) {
+void reset_rows(const ForwardTask& task, int64_t ld_dv, acc_t* o_tiles, acc_t* row_max,
+                acc_t* row_sum, int64_t sum_lanes = 1) {
   for (int64_t i = 0; i < task.sub_blocks(); ++i) {
     const int64_t first = i * kQueryBlock, rows = task.rows(i);
     std::fill(o_tiles + first * ld_dv, o_tiles + (first + rows) * ld_dv, acc_t(0));
@@ -233,13 +235,13 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kQueryBlock, ld_d]
-    acc_t* kt_tile = q_tiles + sub_rows * ld_d;             // [head_dim, kKeyBlock]
-    acc_t* v_tile = kt_tile + p.head_dim * kKeyBlock;         // [kKeyBlock, ld_dv]
-    acc_t* s_tile = v_tile + kKeyBlock * ld_dv;               // [kQueryBlock, kKeyBlock]
-    acc_t* o_tiles = s_tile + kQueryBlock * kKeyBlock;            // [sub_blocks, kQueryBlock, ld_dv]
-    acc_t* row_max_log2 = o_tiles + sub_rows * ld_dv;       // [sub_blocks, kQueryBlock]
-    acc_t* row_sum = row_max_log2 + sub_rows;               // [sub_blocks, kQueryBlock]
-    acc_t* staging = row_sum + sub_rows;                    // [kKeyBlock, head_dim]
+    acc_t* kt_tile = q_tiles + sub_rows * ld_d;            // [head_dim, kKeyBlock]
+    acc_t* v_tile = kt_tile + p.head_dim * kKeyBlock;      // [kKeyBlock, ld_dv]
+    acc_t* s_tile = v_tile + kKeyBlock * ld_dv;            // [kQueryBlock, kKeyBlock]
+    acc_t* o_tiles = s_tile + kQueryBlock * kKeyBlock;     // [sub_blocks, kQueryBlock, ld_dv]
+    acc_t* row_max_log2 = o_tiles + sub_rows * ld_dv;      // [sub_blocks, kQueryBlock]
+    acc_t* row_sum = row_max_log2 + sub_rows;              // [sub_blocks, kQueryBlock]
+    acc_t* staging = row_sum + sub_rows;                   // [kKeyBlock, head_dim]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
@@ -249,16 +251,16 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
       for (int64_t i = 0; i < task.sub_blocks(); ++i) {
         const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                             task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
-        load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kQueryBlock * ld_d, ld_d,
-                  static_cast<acc_t>(p.scale));
+        load_rows(q, p.q_strides.row, task.rows(i), p.head_dim, q_tiles + i * kQueryBlock * ld_d,
+                  ld_d, static_cast<acc_t>(p.scale));
       }
       reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sum);
 
       const int64_t key_end = task.key_end();
       for (int64_t key0 = task.key_begin(); key0 < key_end; key0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, p.seq_k - key0);
-        load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim,
-                             kt_tile, kKeyBlock, staging);
+        load_rows_transposed(k + key0 * p.k_strides.row, p.k_strides.row, cols, p.head_dim, kt_tile,
+                             kKeyBlock, staging);
         load_rows(v + key0 * p.v_strides.row, p.v_strides.row, cols, p.head_dim_v, v_tile, ld_dv);
 
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
@@ -267,19 +269,22 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           const acc_t* q_tile = q_tiles + i * kQueryBlock * ld_d;
           acc_t* o_tile = o_tiles + i * kQueryBlock * ld_dv;
           // S = Q K^T   [rows, cols]
-          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, s_tile, kKeyBlock);
+          tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, s_tile,
+                           kKeyBlock);
           mask_scores_tile<scalar_t>(s_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0);
-          online_softmax_tile(s_tile, kKeyBlock, rows, cols, row_max_log2 + i * kQueryBlock, row_sum + i * kQueryBlock,
-                              o_tile, ld_dv, p.head_dim_v);
+          online_softmax_tile(s_tile, kKeyBlock, rows, cols, row_max_log2 + i * kQueryBlock,
+                              row_sum + i * kQueryBlock, o_tile, ld_dv, p.head_dim_v);
           // Dropout acts on the normalised probabilities, after their sum was taken.
           for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
             apply_dropout_row(s_tile + r * kKeyBlock, cols, p.dropout, batch, head, row0 + r, key0);
           }
           // O += P V   [rows, head_dim_v]
-          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kKeyBlock, v_tile, ld_dv, o_tile, ld_dv);
+          tile_gemm<true>(rows, p.head_dim_v, cols, s_tile, kKeyBlock, v_tile, ld_dv, o_tile,
+                          ld_dv);
         }
       }
-      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sum, /*sum_lanes=*/1, /*max_unit=*/kLn2);
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sum, /*sum_lanes=*/1,
+                            /*max_unit=*/kLn2);
     }
   });
 }
@@ -288,7 +293,8 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
 // p.grad_q_accum.
 template <typename acc_t>
 acc_t* grad_q_partial_sums(const AttentionBackwardParams& p, int64_t split, int64_t bh) {
-  return static_cast<acc_t*>(p.grad_q_accum) + (split * p.batch * p.num_heads + bh) * p.seq_q * p.head_dim;
+  return static_cast<acc_t*>(p.grad_q_accum) +
+         (split * p.batch * p.num_heads + bh) * p.seq_q * p.head_dim;
 }
 
 // One backward task: (batch, kv head, split of the key blocks), the key blocks
@@ -313,7 +319,9 @@ struct BackwardTask {
   }
 
  private:
-  int64_t offset(const RowStrides& strides) const { return batch * strides.batch + kv_head * strides.head; }
+  int64_t offset(const RowStrides& strides) const {
+    return batch * strides.batch + kv_head * strides.head;
+  }
 };
 
 // P = exp(score_scale * S - lse), as 2^(score_scale log2(e) S - lse log2(e)), in place over
@@ -321,7 +329,8 @@ struct BackwardTask {
 // key and gets P = 0. Both backward kernels recompute P this way; the fp32 one passes
 // score_scale 1 (its Q was scaled on load).
 template <typename acc_t>
-void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse, acc_t score_scale) {
+void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const acc_t* lse,
+                    acc_t score_scale) {
   const acc_t scale_log2 = static_cast<acc_t>(score_scale * kLog2e);
   for (int64_t r = 0; r < rows; ++r) {
     acc_t* s = p_tile + r * ld;
@@ -337,8 +346,9 @@ void probs_from_lse(acc_t* p_tile, int64_t ld, int64_t rows, int64_t cols, const
 // The probabilities dV sees: P itself, or with dropout a copy in pd_tile with the dropped
 // entries zeroed and the kept ones scaled.
 template <typename acc_t>
-const acc_t* dropped_probs(const acc_t* p_tile, acc_t* pd_tile, int64_t ld, int64_t rows, int64_t cols,
-                           const DropoutParams& dropout, int64_t batch, int64_t head, int64_t row0, int64_t key0) {
+const acc_t* dropped_probs(const acc_t* p_tile, acc_t* pd_tile, int64_t ld, int64_t rows,
+                           int64_t cols, const DropoutParams& dropout, int64_t batch, int64_t head,
+                           int64_t row0, int64_t key0) {
   if (!dropout.enabled) return p_tile;
   std::copy(p_tile, p_tile + rows * ld, pd_tile);
   for (int64_t r = 0; r < rows; ++r) {
@@ -349,11 +359,13 @@ const acc_t* dropped_probs(const acc_t* p_tile, acc_t* pd_tile, int64_t ld, int6
 
 // One row of dS = P * (dP * dropout - delta), in place over dP.
 template <typename acc_t>
-void softmax_grad_row(acc_t* ds, const acc_t* p_row, int64_t cols, acc_t row_delta, const DropoutParams& dropout,
-                      int64_t batch, int64_t head, int64_t row, int64_t key0) {
+void softmax_grad_row(acc_t* ds, const acc_t* p_row, int64_t cols, acc_t row_delta,
+                      const DropoutParams& dropout, int64_t batch, int64_t head, int64_t row,
+                      int64_t key0) {
   using Vec = at::vec::Vectorized<acc_t>;
   if (dropout.enabled) apply_dropout_row(ds, cols, dropout, batch, head, row, key0);
-  at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); }, ds, p_row, ds, cols);
+  at::vec::map2([row_delta](Vec prob, Vec dprob) { return prob * (dprob - Vec(row_delta)); }, ds,
+                p_row, ds, cols);
 }
 
 // delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] - dlse[b, h, i]: the row term of
@@ -369,15 +381,16 @@ void compute_delta(const AttentionBackwardParams& p) {
       const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) +
                                  batch * p.grad_out_strides.batch + head * p.grad_out_strides.head;
       acc_t* delta = static_cast<acc_t*>(p.delta) + bh * p.seq_q;
-      const acc_t* grad_lse = p.grad_lse ? static_cast<const acc_t*>(p.grad_lse) + bh * p.seq_q
-                                         : nullptr;
+      const acc_t* grad_lse =
+          p.grad_lse ? static_cast<const acc_t*>(p.grad_lse) + bh * p.seq_q : nullptr;
       for (int64_t i = 0; i < p.seq_q; ++i) {
         const scalar_t* o_row = out + i * p.out_strides.row;
         const scalar_t* do_row = grad_out + i * p.grad_out_strides.row;
         Vec dot_vec(acc_t(0));
         for (int64_t d = 0; d < p.head_dim_v; d += Vec::size()) {
           const int64_t count = std::min<int64_t>(Vec::size(), p.head_dim_v - d);
-          dot_vec = at::vec::fmadd(load_as<acc_t>(o_row + d, count), load_as<acc_t>(do_row + d, count), dot_vec);
+          dot_vec = at::vec::fmadd(load_as<acc_t>(o_row + d, count),
+                                   load_as<acc_t>(do_row + d, count), dot_vec);
         }
         const acc_t dot = horizontal_sum(dot_vec);
         delta[i] = grad_lse ? dot - grad_lse[i] : dot;
@@ -402,16 +415,16 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kQueryBlock, ld_d]
-    acc_t* do_tile = q_tile + kQueryBlock * ld_d;              // [kQueryBlock, ld_dv]
-    acc_t* k_tile = do_tile + kQueryBlock * ld_dv;             // [kKeyBlock, ld_d]
-    acc_t* kt_tile = k_tile + kKeyBlock * ld_d;              // [head_dim, kKeyBlock]
-    acc_t* vt_tile = kt_tile + p.head_dim * kKeyBlock;       // [head_dim_v, kKeyBlock]
-    acc_t* p_tile = vt_tile + p.head_dim_v * kKeyBlock;      // [kQueryBlock, kKeyBlock] P
-    acc_t* pd_tile = p_tile + tile;                        // [kQueryBlock, kKeyBlock] P after dropout
-    acc_t* ds_tile = pd_tile + tile;                       // [kQueryBlock, kKeyBlock] dP, then dS
-    acc_t* dk_tile = ds_tile + tile;                       // [kKeyBlock, ld_d]
-    acc_t* dv_tile = dk_tile + kKeyBlock * ld_d;             // [kKeyBlock, ld_dv]
-    acc_t* staging = dv_tile + kKeyBlock * ld_dv;            // [kKeyBlock, head_dim_v]
+    acc_t* do_tile = q_tile + kQueryBlock * ld_d;         // [kQueryBlock, ld_dv]
+    acc_t* k_tile = do_tile + kQueryBlock * ld_dv;        // [kKeyBlock, ld_d]
+    acc_t* kt_tile = k_tile + kKeyBlock * ld_d;           // [head_dim, kKeyBlock]
+    acc_t* vt_tile = kt_tile + p.head_dim * kKeyBlock;    // [head_dim_v, kKeyBlock]
+    acc_t* p_tile = vt_tile + p.head_dim_v * kKeyBlock;   // [kQueryBlock, kKeyBlock] P
+    acc_t* pd_tile = p_tile + tile;                // [kQueryBlock, kKeyBlock] P after dropout
+    acc_t* ds_tile = pd_tile + tile;               // [kQueryBlock, kKeyBlock] dP, then dS
+    acc_t* dk_tile = ds_tile + tile;               // [kKeyBlock, ld_d]
+    acc_t* dv_tile = dk_tile + kKeyBlock * ld_d;   // [kKeyBlock, ld_dv]
+    acc_t* staging = dv_tile + kKeyBlock * ld_dv;  // [kKeyBlock, head_dim_v]
 
     for (int64_t index = begin; index < end; ++index) {
       const BackwardTask<scalar_t> task(p, index);
@@ -453,7 +466,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                              kKeyBlock);
             mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0);
             probs_from_lse(p_tile, kKeyBlock, rows, cols, lse + row0, acc_t(1));
-            const acc_t* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout, batch, head, row0, key0);
+            const acc_t* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout,
+                                            batch, head, row0, key0);
             // dV += P_dropped^T dO   [cols, head_dim_v]
             tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kKeyBlock, do_tile, ld_dv, dv_tile,
                                   ld_dv);
@@ -462,8 +476,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                              kKeyBlock);
             // dS = P * (dP * dropout - delta)
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_grad_row(ds_tile + r * kKeyBlock, p_tile + r * kKeyBlock, cols, delta[row0 + r], p.dropout,
-                               batch, head, row0 + r, key0);
+              softmax_grad_row(ds_tile + r * kKeyBlock, p_tile + r * kKeyBlock, cols,
+                               delta[row0 + r], p.dropout, batch, head, row0 + r, key0);
             }
             // dK += dS^T (scale Q)   [cols, head_dim]
             tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kKeyBlock, q_tile, ld_d, dk_tile,
@@ -529,9 +543,9 @@ inline bool bf16_brgemm_usable(const AttentionForwardParams& p, const AttentionW
   };
   // brgemm runs bf16 on AMX or AVX512-BF16 (every AMX CPU has the latter), and the
   // roundings to bf16 below use AVX512-BF16.
-  const bool forward_ok = avx512_bf16_enabled() && p.dtype == DType::kBFloat16 && p.head_dim % 2 == 0 &&
-                          even_rows(p.q, p.q_strides) && even_rows(p.k, p.k_strides) &&
-                          even_rows(p.v, p.v_strides);
+  const bool forward_ok = avx512_bf16_enabled() && p.dtype == DType::kBFloat16 &&
+                          p.head_dim % 2 == 0 && even_rows(p.q, p.q_strides) &&
+                          even_rows(p.k, p.k_strides) && even_rows(p.v, p.v_strides);
   // The forward packs K and V into the caller's workspace.
   if (!backward) return forward_ok && w.kv_pairs != nullptr;
   // The backward also transposes V as pairs of value dims, reads dO rows in place and writes
@@ -559,8 +573,8 @@ inline void pack_row_pairs(const c10::BFloat16* src, int64_t src_stride, int64_t
 
 // B operand from columns: word (c / 2, r) of dst [cols / 2, ld] holds elements c and c + 1 of
 // row r of src, i.e. a 32-bit transpose of src's rows (cols even, src 4-byte aligned).
-inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols,
-                              uint32_t* dst, int64_t ld) {
+inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int64_t rows,
+                              int64_t cols, uint32_t* dst, int64_t ld) {
   transpose_tile(reinterpret_cast<const float*>(src), src_stride / 2, rows, cols / 2,
                  reinterpret_cast<float*>(dst), ld);
 }
@@ -578,9 +592,9 @@ inline int64_t bf16_key_tile(int64_t head_dim) {
 // d + 1 of key c), then V pairs [key_tile / 2, head_dim_v] (word (c / 2, d) = dim d of keys
 // c, c + 1).
 struct PackedKvTiles {
-  int64_t key_tile, key_tiles;  // keys per tile, tiles per (batch, kv head)
+  int64_t key_tile, key_tiles;   // keys per tile, tiles per (batch, kv head)
   int64_t kt_words, tile_words;  // 32-bit words of a tile's K^T pairs, of the whole tile
-  uint32_t* pairs;                // the kv_pairs workspace
+  uint32_t* pairs;               // the kv_pairs workspace
 
   PackedKvTiles(const AttentionForwardParams& p, int64_t keys_per_tile, void* kv_pairs)
       : key_tile(keys_per_tile),
@@ -589,21 +603,22 @@ struct PackedKvTiles {
         tile_words(kt_words + keys_per_tile / 2 * p.head_dim_v),
         pairs(static_cast<uint32_t*>(kv_pairs)) {}
   // The tile of keys from key0 (a multiple of key_tile) of (batch, kv head) in kv_pairs.
-  uint32_t* tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head, int64_t key0) const {
+  uint32_t* tile(const AttentionForwardParams& p, int64_t batch, int64_t kv_head,
+                 int64_t key0) const {
     const int64_t index = (batch * p.num_kv_heads + kv_head) * key_tiles + key0 / key_tile;
     return pairs + index * tile_words;
   }
 };
 
 // Packs the tile of keys [key0, key0 + key_tile) of (batch, kv head) into dst (layout.tile_words).
-inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& layout, int64_t batch, int64_t kv_head,
-                         int64_t key0, uint32_t* dst) {
+inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& layout,
+                         int64_t batch, int64_t kv_head, int64_t key0, uint32_t* dst) {
   using scalar_t = c10::BFloat16;
   const int64_t cols = std::min(layout.key_tile, p.seq_k - key0);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head +
-                      key0 * p.k_strides.row;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head +
-                      key0 * p.v_strides.row;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
+                      kv_head * p.k_strides.head + key0 * p.k_strides.row;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
+                      kv_head * p.v_strides.head + key0 * p.v_strides.row;
   pack_column_pairs(k, p.k_strides.row, cols, p.head_dim, dst, layout.key_tile);
   pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + layout.kt_words, p.head_dim_v);
 }
@@ -613,7 +628,8 @@ inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& 
   const int64_t key_tiles = layout.key_tiles;
   at::parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t batch = index / (p.num_kv_heads * key_tiles), kv_head = index / key_tiles % p.num_kv_heads;
+      const int64_t batch = index / (p.num_kv_heads * key_tiles),
+                    kv_head = index / key_tiles % p.num_kv_heads;
       const int64_t key0 = index % key_tiles * layout.key_tile;
       pack_kv_tile(p, layout, batch, kv_head, key0, layout.tile(p, batch, kv_head, key0));
     }
@@ -641,17 +657,20 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
   // O accumulators [sub_rows, ld_dv], row max in log2 units [sub_rows], partial row sums
   // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kQueryBlock, key_tile], the
   // task's own packed tile where not prepacked.
-  const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv + sub_rows +
-                               sub_rows * kSumLanes + kQueryBlock * key_tile + (prepacked ? 0 : layout.tile_words);
+  const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv +
+                               sub_rows + sub_rows * kSumLanes + kQueryBlock * key_tile +
+                               (prepacked ? 0 : layout.tile_words);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
-    float* s_tiles = thread_scratch<float>(scratch_size);                         // [sub_rows, key_tile]
-    scalar_t* p_tiles = reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
-    float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);        // [sub_rows, ld_dv]
-    float* row_max_log2 = o_tiles + sub_rows * ld_dv;                              // [sub_rows]
-    float* row_sums = row_max_log2 + sub_rows;                                     // [sub_rows, kSumLanes]
-    float* dropout_probs = row_sums + sub_rows * kSumLanes;                        // [kQueryBlock, key_tile]
-    uint32_t* own_tile = reinterpret_cast<uint32_t*>(dropout_probs + kQueryBlock * key_tile);  // [layout.tile_words]
+    float* s_tiles = thread_scratch<float>(scratch_size);  // [sub_rows, key_tile]
+    scalar_t* p_tiles =
+        reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
+    float* o_tiles = reinterpret_cast<float*>(p_tiles + sub_rows * key_tile);  // [sub_rows, ld_dv]
+    float* row_max_log2 = o_tiles + sub_rows * ld_dv;                          // [sub_rows]
+    float* row_sums = row_max_log2 + sub_rows;               // [sub_rows, kSumLanes]
+    float* dropout_probs = row_sums + sub_rows * kSumLanes;  // [kQueryBlock, key_tile]
+    uint32_t* own_tile =
+        reinterpret_cast<uint32_t*>(dropout_probs + kQueryBlock * key_tile);  // [layout.tile_words]
 
     for (int64_t index = begin; index < end; ++index) {
       const ForwardTask task(p, plan, index);
@@ -659,7 +678,8 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
       reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes);
 
       const int64_t key_end = task.key_end();
-      for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end; key0 += key_tile) {
+      for (int64_t key0 = task.key_begin() / key_tile * key_tile; key0 < key_end;
+           key0 += key_tile) {
         const int64_t cols = std::min(key_tile, p.seq_k - key0);
         if (!prepacked) pack_kv_tile(p, layout, batch, task.kv_head, key0, own_tile);
         // [head_dim / 2, key_tile]
@@ -676,8 +696,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
           const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                               task.head(i) * p.q_strides.head + task.row0(i) * p.q_strides.row;
           // S = Q K^T   [rows, cols] of sub-blocks [i, i + run), straight from q's rows
-          at::native::cpublas::brgemm(task.rows(i, run), task.cols_seen(i, key0, cols), p.head_dim, p.q_strides.row,
-                                      key_tile, key_tile, false, q, reinterpret_cast<const scalar_t*>(kt_pairs),
+          at::native::cpublas::brgemm(task.rows(i, run), task.cols_seen(i, key0, cols), p.head_dim,
+                                      p.q_strides.row, key_tile, key_tile, false, q,
+                                      reinterpret_cast<const scalar_t*>(kt_pairs),
                                       s_tiles + i * kQueryBlock * key_tile, true);
         }
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
@@ -698,12 +719,12 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
           float* o_tile = o_tiles + i * kQueryBlock * ld_dv;
           const float score_scale = fold_scale ? scale : 1.f;
           if (!p.dropout.enabled) {
-            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i, row_sums_i, o_tile,
-                                  ld_dv, p.head_dim_v, p_tile, key_tile);
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i,
+                                  row_sums_i, o_tile, ld_dv, p.head_dim_v, p_tile, key_tile);
           } else {
             // Dropout applies to fp32 P after the sums took it; then P rounds once.
-            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i, row_sums_i, o_tile,
-                                  ld_dv, p.head_dim_v, dropout_probs, key_tile);
+            softmax_tile_to_probs(s_tile, key_tile, rows, cols_i, score_scale, row_max_log2_i,
+                                  row_sums_i, o_tile, ld_dv, p.head_dim_v, dropout_probs, key_tile);
             for (int64_t r = 0; r < rows; ++r) {
               float* probs = dropout_probs + r * key_tile;
               apply_dropout_row(probs, cols_i, p.dropout, batch, head, row0 + r, key0);
@@ -715,14 +736,15 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
           run = task.alike_run(i, key0, cols);
           if (run == 0) continue;
           // O += P V   [rows, head_dim_v] of sub-blocks [i, i + run)
-          at::native::cpublas::brgemm(task.rows(i, run), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2),
-                                      key_tile, p.head_dim_v, ld_dv, true, p_tiles + i * kQueryBlock * key_tile,
-                                      reinterpret_cast<const scalar_t*>(v_pairs),
-                                      o_tiles + i * kQueryBlock * ld_dv, true);
+          at::native::cpublas::brgemm(
+              task.rows(i, run), p.head_dim_v, round_up(task.cols_seen(i, key0, cols), 2), key_tile,
+              p.head_dim_v, ld_dv, true, p_tiles + i * kQueryBlock * key_tile,
+              reinterpret_cast<const scalar_t*>(v_pairs), o_tiles + i * kQueryBlock * ld_dv, true);
         }
       }
 
-      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes, /*max_unit=*/kLn2);
+      finish_rows<scalar_t>(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes,
+                            /*max_unit=*/kLn2);
     }
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
   });
@@ -731,8 +753,9 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
 // Row pairs from two rows' bf16 values as VCVTNE2PS2BF16 leaves them (row r's 16 in the low
 // half, row r + 1's in the high): word c holds column c of row r and, above it, of row r + 1.
 inline __m512i interleave_row_halves(__m512i halves) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), halves);
 }
 
@@ -740,8 +763,10 @@ inline __m512i interleave_row_halves(__m512i halves) {
 // [ceil(rows / 2), ld] holds element c of rows r and r + 1 of src [rows, ld_src] (a zero row
 // pads an odd count). 16 words per step: both rows' vectors convert into one, and a word
 // shuffle interleaves them.
-__attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float* src, int64_t ld_src, int64_t rows,
-                                                                      int64_t cols, uint32_t* dst, int64_t ld) {
+__attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float* src,
+                                                                     int64_t ld_src, int64_t rows,
+                                                                     int64_t cols, uint32_t* dst,
+                                                                     int64_t ld) {
   for (int64_t r = 0; r < rows; r += 2) {
     const float* first = src + r * ld_src;
     const float* second = first + ld_src;
@@ -750,7 +775,8 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
     for (int64_t c = 0; c < cols; c += 16) {
       const __mmask16 lanes = first_lanes(cols - c);
       const __m512 low = _mm512_maskz_loadu_ps(lanes, first + c);
-      const __m512 high = has_second ? _mm512_maskz_loadu_ps(lanes, second + c) : _mm512_setzero_ps();
+      const __m512 high =
+          has_second ? _mm512_maskz_loadu_ps(lanes, second + c) : _mm512_setzero_ps();
       const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
       _mm512_mask_storeu_epi32(out + c, lanes, interleave_row_halves(halves));
     }
@@ -792,7 +818,8 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
         float* p_row = p_tile + (r + j) * ld + c;
         // Lanes past cols stay 0, so the pad column and the pairs' tails hold zeros.
         probs[j] = _mm512_maskz_mov_ps(
-            lanes, softmax_exp2(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p_row), scale, bias[j])));
+            lanes,
+            softmax_exp2(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p_row), scale, bias[j])));
         if (keep_probs) _mm512_mask_storeu_ps(p_row, lanes, probs[j]);
         const __m512 dp = _mm512_maskz_loadu_ps(lanes, dp_tile + (r + j) * ld + c);
         grads[j] = _mm512_mul_ps(probs[j], _mm512_sub_ps(dp, row_delta[j]));
@@ -802,7 +829,8 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
       const __m512i ds_words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(grads[1], grads[0]));
       _mm256_mask_storeu_epi16(ds_bf16 + r * ld + c, even_lanes, _mm512_castsi512_si256(ds_words));
       if (pair_rows == 2) {
-        _mm256_mask_storeu_epi16(ds_bf16 + (r + 1) * ld + c, even_lanes, _mm512_extracti64x4_epi64(ds_words, 1));
+        _mm256_mask_storeu_epi16(ds_bf16 + (r + 1) * ld + c, even_lanes,
+                                 _mm512_extracti64x4_epi64(ds_words, 1));
       }
       _mm512_mask_storeu_epi32(p_pairs + r / 2 * ld + c, lanes, interleave_row_halves(p_words));
       _mm512_mask_storeu_epi32(ds_pairs + r / 2 * ld + c, lanes, interleave_row_halves(ds_words));
@@ -812,11 +840,12 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols, in at::vec's 32 x 32 bf16
 // register blocks.
-inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t rows, int64_t cols, c10::BFloat16* dst,
-                           int64_t ld_dst) {
+inline void transpose_bf16(const c10::BFloat16* src, int64_t ld_src, int64_t rows, int64_t cols,
+                           c10::BFloat16* dst, int64_t ld_dst) {
   for (int64_t r = 0; r < rows; r += 32) {
     for (int64_t c = 0; c < cols; c += 32) {
-      at::vec::transpose_mxn<c10::BFloat16>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst,
+      at::vec::transpose_mxn<c10::BFloat16>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r,
+                                            ld_dst,
                                             static_cast<int>(std::min<int64_t>(32, rows - r)),
                                             static_cast<int>(std::min<int64_t>(32, cols - c)));
     }
@@ -840,11 +869,12 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p, const Attenti
   at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
-      const int64_t row0 = index % q_blocks * kQueryBlock, rows = std::min(kQueryBlock, p.seq_q - row0);
+      const int64_t row0 = index % q_blocks * kQueryBlock,
+                    rows = std::min(kQueryBlock, p.seq_q - row0);
       scalar_t* q_t = transposed_rows(p, w, bh) + row0;  // [head_dim, ld] from column row0
-      scalar_t* grad_out_t = q_t + p.head_dim * ld;   // [head_dim_v, ld] from column row0
-      transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
-                         row0 * p.q_strides.row,
+      scalar_t* grad_out_t = q_t + p.head_dim * ld;      // [head_dim_v, ld] from column row0
+      transpose_bf16(static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                         head * p.q_strides.head + row0 * p.q_strides.row,
                      p.q_strides.row, rows, p.head_dim, q_t, ld);
       transpose_bf16(static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
                          head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
@@ -878,29 +908,35 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t splits = p.num_kv_splits;
   const int64_t d = p.head_dim, dv = p.head_dim_v;
-  const int64_t chunk_rows = kBackwardChunkBlocks * kQueryBlock, chunk_tile = chunk_rows * kKeyBlock;
+  const int64_t chunk_rows = kBackwardChunkBlocks * kQueryBlock,
+                chunk_tile = chunk_rows * kKeyBlock;
   const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
   const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
   // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of a chunk; bf16 P and dS
   // in row pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
   // staging of their transposes.
-  const int64_t scratch_size = (d / 2) * kKeyBlock + (dv / 2) * kKeyBlock + kKeyBlock / 2 * d + 3 * chunk_tile +
-                               3 * chunk_tile / 2 + (d + dv) * kKeyBlock + kKeyBlock * std::max(d, dv);
+  const int64_t scratch_size = (d / 2) * kKeyBlock + (dv / 2) * kKeyBlock + kKeyBlock / 2 * d +
+                               3 * chunk_tile + 3 * chunk_tile / 2 + (d + dv) * kKeyBlock +
+                               kKeyBlock * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kKeyBlock]
-    uint32_t* vt_pairs = kt_pairs + d / 2 * kKeyBlock;     // [dv / 2, kKeyBlock]
-    uint32_t* k_pairs = vt_pairs + dv / 2 * kKeyBlock;     // [kKeyBlock / 2, d]
-    float* p_tile = reinterpret_cast<float*>(k_pairs + kKeyBlock / 2 * d);  // [chunk_rows, kKeyBlock] P
-    float* pd_tile = p_tile + chunk_tile;                // [chunk_rows, kKeyBlock] P after dropout
-    float* ds_tile = pd_tile + chunk_tile;               // [chunk_rows, kKeyBlock] dP, then dS
-    uint32_t* p_pairs = reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kKeyBlock] dropped P
-    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;       // [chunk_rows / 2, kKeyBlock] dS
-    scalar_t* ds_bf16 = reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);  // [chunk_rows, kKeyBlock] dS
+    uint32_t* kt_pairs =
+        reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kKeyBlock]
+    uint32_t* vt_pairs = kt_pairs + d / 2 * kKeyBlock;                     // [dv / 2, kKeyBlock]
+    uint32_t* k_pairs = vt_pairs + dv / 2 * kKeyBlock;                     // [kKeyBlock / 2, d]
+    float* p_tile =
+        reinterpret_cast<float*>(k_pairs + kKeyBlock / 2 * d);  // [chunk_rows, kKeyBlock] P
+    float* pd_tile = p_tile + chunk_tile;   // [chunk_rows, kKeyBlock] P after dropout
+    float* ds_tile = pd_tile + chunk_tile;  // [chunk_rows, kKeyBlock] dP, then dS
+    uint32_t* p_pairs =
+        reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kKeyBlock] dropped P
+    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;          // [chunk_rows / 2, kKeyBlock] dS
+    scalar_t* ds_bf16 =
+        reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);        // [chunk_rows, kKeyBlock] dS
     float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_tile);  // [d, kKeyBlock]
-    float* dvt_tile = dkt_tile + d * kKeyBlock;            // [dv, kKeyBlock]
-    float* staging = dvt_tile + dv * kKeyBlock;            // [kKeyBlock, max(d, dv)]
+    float* dvt_tile = dkt_tile + d * kKeyBlock;                        // [dv, kKeyBlock]
+    float* staging = dvt_tile + dv * kKeyBlock;                        // [kKeyBlock, max(d, dv)]
 
     for (int64_t index = begin; index < end; ++index) {
       const BackwardTask<scalar_t> task(p, index);
@@ -914,16 +950,19 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
       for (int64_t block = task.first_block; block < task.end_block; ++block) {
         const int64_t key0 = block * kKeyBlock;
         const int64_t cols = std::min(kKeyBlock, p.seq_k - key0), even_cols = round_up(cols, 2);
-        pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs, kKeyBlock);
-        pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs, kKeyBlock);
+        pack_column_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, kt_pairs,
+                          kKeyBlock);
+        pack_column_pairs(task.v + key0 * p.v_strides.row, p.v_strides.row, cols, dv, vt_pairs,
+                          kKeyBlock);
         pack_row_pairs(task.k + key0 * p.k_strides.row, p.k_strides.row, cols, d, k_pairs, d);
         std::fill(dkt_tile, dkt_tile + (d + dv) * kKeyBlock, 0.f);  // and dvt_tile
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
         // Whole query blocks, so that each block's dQ rows are written whole: rows of the
         // first and last block that see none of these keys get P = 0 and add nothing.
         const int64_t rows_begin = seeing.begin / kQueryBlock * kQueryBlock;
-        const int64_t rows_end =
-            seeing.begin < seeing.end ? std::min(p.seq_q, round_up(seeing.end, kQueryBlock)) : rows_begin;
+        const int64_t rows_end = seeing.begin < seeing.end
+                                     ? std::min(p.seq_q, round_up(seeing.end, kQueryBlock))
+                                     : rows_begin;
 
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
           const int64_t bh = batch * p.num_heads + head;
@@ -931,23 +970,26 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
           const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
           float* grad_q_accum = grad_q_partial_sums<float>(p, split, bh);
           const scalar_t* q_t = transposed_rows(p, w, bh);  // [d, ld_t]
-          const scalar_t* grad_out_t = q_t + d * ld_t;    // [dv, ld_t]
+          const scalar_t* grad_out_t = q_t + d * ld_t;      // [dv, ld_t]
           for (int64_t chunk0 = rows_begin; chunk0 < rows_end; chunk0 += chunk_rows) {
             const int64_t chunk_end = std::min(chunk0 + chunk_rows, rows_end);
             const int64_t rows = chunk_end - chunk0;
             const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                                 head * p.q_strides.head + chunk0 * p.q_strides.row;
-            const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                                       head * p.grad_out_strides.head + chunk0 * p.grad_out_strides.row;
+            const scalar_t* grad_out =
+                static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
+                head * p.grad_out_strides.head + chunk0 * p.grad_out_strides.row;
             // Each product takes the whole chunk (brgemm has a fixed cost per call), in an order
             // that keeps consecutive calls the same shape where the head dims match (S and dP,
             // then dQ, then dV^T and dK^T): brgemm reloads the AMX tile configuration whenever
             // the shape changes.
             // P = exp(scale S - lse), recomputed from the saved logsumexp   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kKeyBlock, kKeyBlock, false, q,
-                                        reinterpret_cast<const scalar_t*>(kt_pairs), p_tile, true);
+            at::native::cpublas::brgemm(rows, cols, d, p.q_strides.row, kKeyBlock, kKeyBlock, false,
+                                        q, reinterpret_cast<const scalar_t*>(kt_pairs), p_tile,
+                                        true);
             // dP = dO V^T   [rows, cols]
-            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kKeyBlock, kKeyBlock, false, grad_out,
+            at::native::cpublas::brgemm(rows, cols, dv, p.grad_out_strides.row, kKeyBlock,
+                                        kKeyBlock, false, grad_out,
                                         reinterpret_cast<const scalar_t*>(vt_pairs), ds_tile, true);
             for (int64_t r = 0; !fold_scale && r < rows; ++r) {
               float* s = p_tile + r * kKeyBlock;
@@ -956,38 +998,43 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
             mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, chunk0, key0);
             // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
             for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
-              apply_dropout_row(ds_tile + r * kKeyBlock, cols, p.dropout, batch, head, chunk0 + r, key0);
+              apply_dropout_row(ds_tile + r * kKeyBlock, cols, p.dropout, batch, head, chunk0 + r,
+                                key0);
             }
             // P and dS = P * (dP - delta), in the layouts the products below take
-            probs_and_score_grads(p_tile, ds_tile, kKeyBlock, rows, cols, lse + chunk0, delta + chunk0,
-                                  fold_scale ? scale : 1.f, /*keep_probs=*/p.dropout.enabled, p_pairs, ds_pairs,
-                                  ds_bf16);
+            probs_and_score_grads(p_tile, ds_tile, kKeyBlock, rows, cols, lse + chunk0,
+                                  delta + chunk0, fold_scale ? scale : 1.f,
+                                  /*keep_probs=*/p.dropout.enabled, p_pairs, ds_pairs, ds_bf16);
             // dV sees the dropped probabilities: their pairs replace those of P.
             if (p.dropout.enabled) {
-              const float* pd =
-                  dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout, batch, head, chunk0, key0);
+              const float* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout,
+                                              batch, head, chunk0, key0);
               round_to_row_pairs(pd, kKeyBlock, rows, cols, p_pairs, kKeyBlock);
             }
             // dQ += dS K   [rows, d]  (scaled when the splits are summed): into the blocks an
             // earlier key block wrote, and writing the others
             const int64_t added_end = std::clamp(written_end, chunk0, chunk_end);
             if (added_end > chunk0) {
-              at::native::cpublas::brgemm(added_end - chunk0, d, even_cols, kKeyBlock, d, d, /*add_C=*/true, ds_bf16,
-                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + chunk0 * d, true);
+              at::native::cpublas::brgemm(
+                  added_end - chunk0, d, even_cols, kKeyBlock, d, d, /*add_C=*/true, ds_bf16,
+                  reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + chunk0 * d, true);
             }
             if (chunk_end > added_end) {
-              at::native::cpublas::brgemm(chunk_end - added_end, d, even_cols, kKeyBlock, d, d, /*add_C=*/false,
-                                          ds_bf16 + (added_end - chunk0) * kKeyBlock,
-                                          reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + added_end * d, true);
+              at::native::cpublas::brgemm(
+                  chunk_end - added_end, d, even_cols, kKeyBlock, d, d, /*add_C=*/false,
+                  ds_bf16 + (added_end - chunk0) * kKeyBlock,
+                  reinterpret_cast<const scalar_t*>(k_pairs), grad_q_accum + added_end * d, true);
             }
             // An odd row count ends on the zero row of the pairs.
             const int64_t depth = round_up(rows, 2);
             // dV^T += dO^T P_dropped   [dv, cols]
-            at::native::cpublas::brgemm(dv, cols, depth, ld_t, kKeyBlock, kKeyBlock, true, grad_out_t + chunk0,
+            at::native::cpublas::brgemm(dv, cols, depth, ld_t, kKeyBlock, kKeyBlock, true,
+                                        grad_out_t + chunk0,
                                         reinterpret_cast<const scalar_t*>(p_pairs), dvt_tile, true);
             // dK^T += Q^T dS   [d, cols]  (scaled on the store)
-            at::native::cpublas::brgemm(d, cols, depth, ld_t, kKeyBlock, kKeyBlock, true, q_t + chunk0,
-                                        reinterpret_cast<const scalar_t*>(ds_pairs), dkt_tile, true);
+            at::native::cpublas::brgemm(d, cols, depth, ld_t, kKeyBlock, kKeyBlock, true,
+                                        q_t + chunk0, reinterpret_cast<const scalar_t*>(ds_pairs),
+                                        dkt_tile, true);
           }
         }
         // Key blocks reach query rows in order (both window bounds grow with the key), so
@@ -1008,7 +1055,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
       for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
         float* grad_q_accum = grad_q_partial_sums<float>(p, split, batch * p.num_heads + head);
         std::fill(grad_q_accum, grad_q_accum + written_begin * d, 0.f);
-        std::fill(grad_q_accum + std::max(written_begin, written_end) * d, grad_q_accum + p.seq_q * d, 0.f);
+        std::fill(grad_q_accum + std::max(written_begin, written_end) * d,
+                  grad_q_accum + p.seq_q * d, 0.f);
       }
     }
     at::native::cpublas::brgemm_release(true);  // the AMX tile state of this thread
@@ -1017,7 +1065,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
 #endif
 
 // The ISA's entry points, declared for the dispatcher in kernels.h.
-void attention_forward(const AttentionForwardParams& params, const AttentionWorkspaces& workspaces) {
+void attention_forward(const AttentionForwardParams& params,
+                       const AttentionWorkspaces& workspaces) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (bf16_brgemm_usable(params, workspaces)) {
     return attention_forward_bf16_brgemm(params, workspaces);

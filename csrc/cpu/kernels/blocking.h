@@ -56,9 +56,11 @@ inline PagedTaskPlan plan_paged_tasks(const PagedAttentionParams& p, int64_t thr
   const bool heads_together = paged_task_rows(p) <= kDirectRows;
   const int64_t wanted = 2 * std::max<int64_t>(threads, 1);
   const int64_t tasks = std::max<int64_t>(p.batch * (heads_together ? 1 : p.num_kv_heads), 1);
-  const int64_t splits = std::max<int64_t>(1, std::min((wanted + tasks - 1) / tasks, p.max_seq_len / 256));
+  const int64_t splits =
+      std::max<int64_t>(1, std::min((wanted + tasks - 1) / tasks, p.max_seq_len / 256));
   if (!heads_together) return {1, splits};
-  const int64_t head_groups = std::clamp<int64_t>((wanted + tasks * splits - 1) / (tasks * splits), 1, p.num_kv_heads);
+  const int64_t head_groups =
+      std::clamp<int64_t>((wanted + tasks * splits - 1) / (tasks * splits), 1, p.num_kv_heads);
   return {(p.num_kv_heads + head_groups - 1) / head_groups, splits};
 }
 

@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <new>
@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "blocking.h"
-#include "mha_ext/accumulate_type.h"
 #include "cpu/isa.h"
+#include "mha_ext/accumulate_type.h"
 #include "mha_ext/attention_params.h"
 
 namespace mha_ext::cpu {
@@ -67,7 +67,8 @@ inline at::vec::Vectorized<acc_t> load_as(const scalar_t* src, int64_t count) {
       at::vec::load_to_float(src, full);
       return full;
     }
-    return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src, count)));
+    return std::get<0>(
+        at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src, count)));
   }
 }
 
@@ -136,7 +137,8 @@ constexpr float kExp2Polynomial[] = {1.326456899e-03f, 9.671487845e-03f, 5.55073
 // the lanes below -125 compute (NaN for -inf), so y needs no clamping first (a clamp cost 5%
 // of the softmax). NaN passes.
 inline __m512 softmax_exp2(__m512 y) {
-  const __mmask16 in_range = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);  // y >= -125 or NaN
+  const __mmask16 in_range =
+      _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);  // y >= -125 or NaN
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
   __m512 poly = _mm512_set1_ps(kExp2Polynomial[0]);
@@ -161,7 +163,8 @@ template <int kCount>
 C10_ALWAYS_INLINE void softmax_exp2s_avx2(__m256 (&y)[kCount]) {
   const __m256 kRound = _mm256_set1_ps(12583039.f);  // 1.5 * 2^23 + 127
   __m256 in_range[kCount], f[kCount], power[kCount], poly[kCount];
-  for (int j = 0; j < kCount; ++j) in_range[j] = _mm256_cmp_ps(y[j], _mm256_set1_ps(-125.f), _CMP_NLT_UQ);  // or NaN
+  for (int j = 0; j < kCount; ++j)
+    in_range[j] = _mm256_cmp_ps(y[j], _mm256_set1_ps(-125.f), _CMP_NLT_UQ);  // or NaN
   for (int j = 0; j < kCount; ++j) {
     const __m256 rounded = _mm256_add_ps(y[j], kRound);
     power[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(rounded), 23));  // 2^n
@@ -169,9 +172,11 @@ C10_ALWAYS_INLINE void softmax_exp2s_avx2(__m256 (&y)[kCount]) {
   }
   for (int j = 0; j < kCount; ++j) poly[j] = _mm256_set1_ps(kExp2Polynomial[0]);
   for (int k = 1; k < 6; ++k) {
-    for (int j = 0; j < kCount; ++j) poly[j] = _mm256_fmadd_ps(poly[j], f[j], _mm256_set1_ps(kExp2Polynomial[k]));
+    for (int j = 0; j < kCount; ++j)
+      poly[j] = _mm256_fmadd_ps(poly[j], f[j], _mm256_set1_ps(kExp2Polynomial[k]));
   }
-  for (int j = 0; j < kCount; ++j) y[j] = _mm256_and_ps(_mm256_mul_ps(poly[j], power[j]), in_range[j]);
+  for (int j = 0; j < kCount; ++j)
+    y[j] = _mm256_and_ps(_mm256_mul_ps(poly[j], power[j]), in_range[j]);
 }
 #endif
 
@@ -230,7 +235,8 @@ C10_ALWAYS_INLINE void keep_in_register(at::vec::Vectorized<acc_t>& v) {
 // products per cached key. Always inlined: called out of line, the vectors went through the
 // stack.
 template <int kCount, typename acc_t>
-C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCount], acc_t (&sums)[kCount]) {
+C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCount],
+                                       acc_t (&sums)[kCount]) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float> && kCount > 1 && kCount <= 8) {
     // in(i): v[i], zero past kCount. Indices are compile-time constants throughout (see
@@ -250,14 +256,16 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
     // quarters[j]: 4 partial sums of in[4j + k] in 128-bit lane k.
     __m512 quarters[2];
     unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-      quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),   // even quarters
-                                  _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));  // odd quarters
+      quarters[j] = _mm512_add_ps(
+          _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),   // even quarters
+          _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));  // odd quarters
     });
     // Lane k of 128: 2 partial sums of in[k], then 2 of in[k + 4]; then whole sums in lanes
     // 4k (in[k]) and 4k + 2 (in[k + 4]), gathered into lanes 0..7. A whole 256-bit store:
     // masked stores of a few lanes stalled the loads that read them back.
-    const __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                       _mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 pairs =
+        _mm512_add_ps(_mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm512_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 2, 3, 2)));
     const __m512 totals = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(2, 3, 0, 1)));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
     alignas(32) float all[8];
@@ -279,13 +287,15 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
     unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr std::integral_constant<int, 2 * j> even;
       constexpr std::integral_constant<int, 2 * j + 1> odd;
-      pairs[j] = _mm256_add_ps(_mm256_unpacklo_ps(in(even), in(odd)), _mm256_unpackhi_ps(in(even), in(odd)));
+      pairs[j] = _mm256_add_ps(_mm256_unpacklo_ps(in(even), in(odd)),
+                               _mm256_unpackhi_ps(in(even), in(odd)));
     });
     // quads[j]: in each half, lane k holds a partial sum of in[4j + k].
     __m256 quads[2];
     unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-      quads[j] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+      quads[j] =
+          _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                        _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     });
     // Lane i: the whole sum of in[i] (the two halves added).
     const __m256 totals = _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
@@ -309,7 +319,8 @@ C10_ALWAYS_INLINE __m512 transposed_sums16(const at::vec::Vectorized<float> (&v)
   __m512 halves[8];
   unrolled<8>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
     const __m512 even = v[2 * j], odd = v[2 * j + 1];
-    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(even, odd, 0x44), _mm512_shuffle_f32x4(even, odd, 0xEE));
+    halves[j] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(even, odd, 0x44), _mm512_shuffle_f32x4(even, odd, 0xEE));
   });
   // quarters[j]: 4 partial sums of v[4j + k] in 128-bit lane k.
   __m512 quarters[4];
@@ -321,7 +332,8 @@ C10_ALWAYS_INLINE __m512 transposed_sums16(const at::vec::Vectorized<float> (&v)
   __m512 pairs[2];
   unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
     const __m512 a = quarters[2 * j], b = quarters[2 * j + 1];
-    pairs[j] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    pairs[j] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   });
   // Lane k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k].
   return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
@@ -362,7 +374,8 @@ acc_t exp2_row(acc_t* s, int64_t cols, acc_t scale_log2, acc_t bias_log2) {
   int64_t c = 0;
   for (; c + kStep * Vec::size() <= cols; c += kStep * Vec::size()) {
     Vec p[kStep];
-    for (int j = 0; j < kStep; ++j) p[j] = at::vec::fmadd(Vec::loadu(s + c + j * Vec::size()), scale_vec, bias_vec);
+    for (int j = 0; j < kStep; ++j)
+      p[j] = at::vec::fmadd(Vec::loadu(s + c + j * Vec::size()), scale_vec, bias_vec);
     softmax_exp2s(p);
     for (int j = 0; j < kStep; ++j) {
       p[j].store(s + c + j * Vec::size());
@@ -406,9 +419,9 @@ bool any_lane_above(const at::vec::Vectorized<acc_t>& v, acc_t bound) {
 // reductions, and asks only whether some lane passes the margin: the horizontal max waits
 // for a row that moves its max (on Zen 1 the pass took 0.08 instead of 0.13 ns per score).
 template <typename acc_t>
-void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols, acc_t* row_max_log2,
-                         acc_t* row_sum, acc_t* o_tile, int64_t ld_o, int64_t head_dim_v,
-                         acc_t score_scale = acc_t(1)) {
+void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols,
+                         acc_t* row_max_log2, acc_t* row_sum, acc_t* o_tile, int64_t ld_o,
+                         int64_t head_dim_v, acc_t score_scale = acc_t(1)) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
@@ -424,10 +437,12 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
     }
     for (; c < cols; c += kWidth) {
       const int count = static_cast<int>(std::min<int64_t>(kWidth, cols - c));
-      highest_even = at::vec::clamp_min(Vec::set(highest_even, Vec::loadu(s + c, count), count), highest_even);
+      highest_even =
+          at::vec::clamp_min(Vec::set(highest_even, Vec::loadu(s + c, count), count), highest_even);
     }
     const Vec highest = at::vec::clamp_min(highest_even, highest_odd) * Vec(scale_log2);
-    if (any_lane_above(highest, row_max_log2[r] + margin_log2)) {  // also the first tile with a visible key
+    if (any_lane_above(highest,
+                       row_max_log2[r] + margin_log2)) {  // also the first tile with a visible key
       const acc_t tile_max = horizontal_max(highest);
       if (row_sum[r] != acc_t(0)) {
         const acc_t rescale = std::exp2(row_max_log2[r] - tile_max);
@@ -455,11 +470,12 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
 inline bool avx512_bf16_enabled() { return active_cpu_isa() == CpuIsa::kAvx512Bf16; }
 
 // dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
-__attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src, c10::BFloat16* dst,
-                                                                int64_t n) {
+__attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src,
+                                                                c10::BFloat16* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    const __m512bh pairs =
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
     _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(pairs));
   }
   for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
@@ -492,12 +508,13 @@ inline float scaled_row_max(const float* s, int64_t cols, float score_scale) {
 // redone. scale_log2 = score_scale log2(e) rounded to fp32 changes the softmax scale in the
 // 8th digit, the size of the scores' own fp32 rounding.
 template <typename out_t>
-__attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const float* s, int64_t cols,
-                                                                            float scale_log2, float max_log2,
-                                                                            bool check, float* sums, out_t* p) {
+__attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(
+    const float* s, int64_t cols, float scale_log2, float max_log2, bool check, float* sums,
+    out_t* p) {
   const __m512 scale = _mm512_set1_ps(scale_log2), minus_max = _mm512_set1_ps(-max_log2);
   __m512 total = _mm512_setzero_ps();
-  __m512 highest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // of the exps' arguments (log2)
+  __m512 highest =
+      _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // of the exps' arguments (log2)
   for (int64_t c = 0; c < cols; c += 32) {
     // Lanes past cols load as 0 and have their exp zeroed; whole pairs of vectors (the
     // common case) take no masks.
@@ -506,11 +523,13 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
     __m512 x[2], probs[2];
     for (int j = 0; j < 2; ++j) {
       const __mmask16 lanes = j == 0 ? low_lanes : high_lanes;
-      const __m512 scores = whole ? _mm512_loadu_ps(s + c + 16 * j) : _mm512_maskz_loadu_ps(lanes, s + c + 16 * j);
+      const __m512 scores =
+          whole ? _mm512_loadu_ps(s + c + 16 * j) : _mm512_maskz_loadu_ps(lanes, s + c + 16 * j);
       x[j] = _mm512_fmadd_ps(scores, scale, minus_max);
       probs[j] = softmax_exp2(x[j]);
       if (!whole) {
-        x[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, x[j]);
+        x[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes,
+                                  x[j]);
         probs[j] = _mm512_maskz_mov_ps(lanes, probs[j]);
       }
     }
@@ -520,7 +539,8 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
       _mm512_storeu_ps(p + c, probs[0]);
       _mm512_storeu_ps(p + c + 16, probs[1]);
     } else {
-      _mm512_storeu_si512(p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0])));
+      _mm512_storeu_si512(p + c,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0])));
     }
   }
   const __m512 margin = _mm512_set1_ps(static_cast<float>(kRescaleMarginLog2));
@@ -544,11 +564,10 @@ __attribute__((target("avx512bf16"), always_inline)) inline bool probs_row(const
 // the max pass's loads and horizontal max, the per-row horizontal sum, the rounding pass's
 // reloads and two of the exp's instructions go.
 template <typename out_t>
-__attribute__((target("avx512bf16"))) void softmax_tile_to_probs(const float* s_tile, int64_t ld_s, int64_t rows,
-                                                                   int64_t cols, float score_scale,
-                                                                   float* row_max_log2, float* row_sums, float* o_tile,
-                                                                   int64_t ld_o, int64_t head_dim_v, out_t* p_tile,
-                                                                   int64_t ld_p) {
+__attribute__((target("avx512bf16"))) void softmax_tile_to_probs(
+    const float* s_tile, int64_t ld_s, int64_t rows, int64_t cols, float score_scale,
+    float* row_max_log2, float* row_sums, float* o_tile, int64_t ld_o, int64_t head_dim_v,
+    out_t* p_tile, int64_t ld_p) {
   using Vec = at::vec::Vectorized<float>;
   const float scale_log2 = static_cast<float>(score_scale * kLog2e);
   for (int64_t r = 0; r < rows; ++r) {
@@ -558,7 +577,8 @@ __attribute__((target("avx512bf16"))) void softmax_tile_to_probs(const float* s_
     float& max_log2 = row_max_log2[r];
     // A row that has seen no key yet starts from this tile's max; with none here either its
     // P is 0 (through the exp's mask: every argument is -inf).
-    if (max_log2 == -std::numeric_limits<float>::infinity()) max_log2 = scaled_row_max(s, cols, scale_log2);
+    if (max_log2 == -std::numeric_limits<float>::infinity())
+      max_log2 = scaled_row_max(s, cols, scale_log2);
     if (max_log2 == -std::numeric_limits<float>::infinity()) {
       std::fill(p, p + round_up(cols, 32), out_t(0.f));
       continue;
@@ -580,7 +600,8 @@ __attribute__((target("avx512bf16"))) void softmax_tile_to_probs(const float* s_
 // the double one took 0.7% of the bf16 GQA forward). A row that saw no key has sum 0:
 // output 0 and logsumexp -inf, never NaN.
 template <typename scalar_t, typename acc_t>
-acc_t finish_row(const acc_t* o_row, int64_t head_dim_v, double row_max, acc_t row_sum, scalar_t* out_row) {
+acc_t finish_row(const acc_t* o_row, int64_t head_dim_v, double row_max, acc_t row_sum,
+                 scalar_t* out_row) {
   const bool empty = row_sum == acc_t(0);
   store_row(o_row, head_dim_v, empty ? acc_t(0) : acc_t(1) / row_sum, out_row);
   return empty ? -std::numeric_limits<acc_t>::infinity()

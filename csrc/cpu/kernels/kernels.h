@@ -10,15 +10,14 @@
 
 namespace mha_ext::cpu {
 
-#define MHA_EXT_DECLARE_CPU_KERNELS(isa)                              \
-  namespace isa {                                                     \
-  void attention_forward(const AttentionForwardParams& params,       \
-                         const AttentionWorkspaces& workspaces);       \
-  void attention_backward(const AttentionBackwardParams& params,     \
-                          const AttentionWorkspaces& workspaces);      \
-  void paged_attention(const PagedAttentionParams& params,           \
-                       const PagedTaskPlan& plan);                     \
-  void merge_attention_states(const MergeStatesParams& params);      \
+#define MHA_EXT_DECLARE_CPU_KERNELS(isa)                                               \
+  namespace isa {                                                                      \
+  void attention_forward(const AttentionForwardParams& params,                         \
+                         const AttentionWorkspaces& workspaces);                       \
+  void attention_backward(const AttentionBackwardParams& params,                       \
+                          const AttentionWorkspaces& workspaces);                      \
+  void paged_attention(const PagedAttentionParams& params, const PagedTaskPlan& plan); \
+  void merge_attention_states(const MergeStatesParams& params);                        \
   }
 
 MHA_EXT_DECLARE_CPU_KERNELS(DEFAULT)
@@ -38,17 +37,12 @@ void paged_kv_append(const PagedAppendParams& params);
 // the AVX-512 build, which asks the active ISA whether its AVX512-BF16 paths may run
 // (avx512_bf16_enabled in kernel_common.h).
 #if defined(__x86_64__)
-#define MHA_EXT_RUN_CPU_KERNEL(name, ...)                      \
-  switch (::mha_ext::cpu::active_cpu_isa()) {                  \
-    case ::mha_ext::cpu::CpuIsa::kAvx512Bf16:                  \
-    case ::mha_ext::cpu::CpuIsa::kAvx512:                      \
-      ::mha_ext::cpu::AVX512::name(__VA_ARGS__);               \
-      break;                                                   \
-    case ::mha_ext::cpu::CpuIsa::kAvx2:                        \
-      ::mha_ext::cpu::AVX2::name(__VA_ARGS__);                 \
-      break;                                                   \
-    default:                                                   \
-      ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__);              \
+#define MHA_EXT_RUN_CPU_KERNEL(name, ...)                                                   \
+  switch (::mha_ext::cpu::active_cpu_isa()) {                                               \
+    case ::mha_ext::cpu::CpuIsa::kAvx512Bf16:                                               \
+    case ::mha_ext::cpu::CpuIsa::kAvx512: ::mha_ext::cpu::AVX512::name(__VA_ARGS__); break; \
+    case ::mha_ext::cpu::CpuIsa::kAvx2: ::mha_ext::cpu::AVX2::name(__VA_ARGS__); break;     \
+    default: ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__);                                    \
   }
 #else
 #define MHA_EXT_RUN_CPU_KERNEL(name, ...) ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__)

@@ -9,7 +9,7 @@
 // The target pragma stands in for per-file compiler flags, which torch.utils.cpp_extension
 // cannot give to one source of an extension.
 #if defined(__clang__)
-#pragma clang attribute push(                                                       \
+#pragma clang attribute push(                                                         \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2"))), \
     apply_to = function)
 #else

@@ -249,7 +249,8 @@ struct PagedKernelTraits {
 // key row with the prefetch, were a large part of decode's time per key.
 template <typename scalar_t>
 void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
-                int64_t block_size, int64_t kv_head, int64_t first, int64_t count, const scalar_t** rows) {
+                int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
+                const scalar_t** rows) {
   for (int64_t i = 0; i < count;) {
     const CacheSlot location = position_location(block_table, first + i, block_size);
     const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
@@ -278,7 +279,8 @@ C10_ALWAYS_INLINE void request_bytes(const void* row, int64_t first_byte, int64_
 // Requests elements [first, dim) of a row.
 template <typename scalar_t>
 void prefetch_row(const scalar_t* row, int64_t dim, int64_t first = 0) {
-  request_bytes(row, first * static_cast<int64_t>(sizeof(scalar_t)), dim * static_cast<int64_t>(sizeof(scalar_t)));
+  request_bytes(row, first * static_cast<int64_t>(sizeof(scalar_t)),
+                dim * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
 // One key tile of one kv head: keys [key0, key0 + cols); cols 0 marks the end of a task. A
@@ -303,12 +305,15 @@ struct TileRows {
   }
 
   // The row that prefetch(i) requests; row i itself (already cached) where none is listed.
-  const scalar_t* row_ahead(int64_t i) const { return i + kPrefetchRows < listed ? rows[i + kPrefetchRows] : rows[i]; }
+  const scalar_t* row_ahead(int64_t i) const {
+    return i + kPrefetchRows < listed ? rows[i + kPrefetchRows] : rows[i];
+  }
 };
 
 // Rows [0, count) of a tile copied like load_rows into dst [count, ld].
 template <typename scalar_t, typename acc_t>
-void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim, acc_t* dst, int64_t ld) {
+void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim, acc_t* dst,
+                      int64_t ld) {
   for (int64_t i = 0; i < count; ++i) {
     tile.prefetch(i, dim);
     load_rows(tile.rows[i], 0, 1, dim, dst + i * ld, ld);
@@ -342,7 +347,8 @@ struct SweepRequests {
 C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  odd =
+      _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 #endif
 
@@ -412,8 +418,8 @@ struct RowRequests {
 // On AVX-512, 16 sums reduce together into one vector (transposed_sums16), permuted so that
 // each row's kKeys sums lie together and stored a row at a time.
 template <int kRows, int kKeys, typename acc_t>
-C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc)[kKeys * kRows], acc_t scale,
-                                          acc_t* scores, int64_t ld_s) {
+C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc)[kKeys * kRows],
+                                          acc_t scale, acc_t* scores, int64_t ld_s) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<acc_t, float> && kRows * kKeys == 16) {
     __m512 sums = _mm512_mul_ps(transposed_sums16(acc), _mm512_set1_ps(scale));
@@ -422,7 +428,8 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
       static constexpr auto kOrder = [] {
         std::array<int, 16> order{};
         for (int r = 0; r < kRows; ++r) {
-          for (int j = 0; j < kKeys; ++j) order[r * kKeys + j] = 4 * ((j * kRows + r) % 4) + (j * kRows + r) / 4;
+          for (int j = 0; j < kKeys; ++j)
+            order[r * kKeys + j] = 4 * ((j * kRows + r) % 4) + (j * kRows + r) / 4;
         }
         return order;
       }();
@@ -458,19 +465,25 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
 
 // scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
 // is loaded and converted once for all rows. kRequests: which of `requests`' rows it requests.
-template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t, typename acc_t>
-C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys, int64_t dim, acc_t scale,
-                                  acc_t* scores, int64_t ld_s, const RowRequests<scalar_t>& requests) {
+template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t,
+          typename acc_t>
+C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys,
+                                  int64_t dim, acc_t scale, acc_t* scores, int64_t ld_s,
+                                  const RowRequests<scalar_t>& requests) {
   using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
-    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots, "bf16 dot products");
+    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots,
+                  "bf16 dot products");
     at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
-    unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
+    unrolled<kKeys * kRows>([&](auto i)
+                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
     // 32 elements from d on, the lanes outside `lanes` zero (and not read).
     auto step = [&](int64_t d, __mmask32 lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
       __m512i k[kKeys];
-      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d); });
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d);
+      });
       unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
         const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
         unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -498,7 +511,8 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   auto request_lines = [&](int64_t d) C10_ALWAYS_INLINE_ATTRIBUTE {
     if constexpr (kRequests != ScoreLoopRequests::kNone) {
       if (d * static_cast<int64_t>(sizeof(scalar_t)) % 64 == 0) {
-        if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue) request_line(requests.key_ahead + d);
+        if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue)
+          request_line(requests.key_ahead + d);
         if (d < requests.value_dim) request_line(requests.value + d);
       }
     }
@@ -510,7 +524,9 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
     if constexpr (vectors == 2) {
       load_two_vectors(keys[0] + d, k[0][0], k[1][0]);  // kStepVectors is 2 for one key only
     } else {
-      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { k[0][j] = load_as<acc_t>(keys[j] + d, kWidth); });
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        k[0][j] = load_as<acc_t>(keys[j] + d, kWidth);
+      });
     }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
       unrolled<vectors>([&](auto v) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -541,12 +557,14 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
     }
   }
   if constexpr (kChains > 1) {
-    unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[0][i] = acc[0][i] + acc[1][i]; });
+    unrolled<kKeys * kRows>([&](auto i)
+                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[0][i] = acc[0][i] + acc[1][i]; });
   }
   if constexpr (kRequests != ScoreLoopRequests::kNone) {  // the lines the loop did not reach
     const int64_t next = round_up(d * static_cast<int64_t>(sizeof(scalar_t)), int64_t(64)) /
                          static_cast<int64_t>(sizeof(scalar_t));
-    if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue) prefetch_row(requests.key_ahead, dim, next);
+    if constexpr (kRequests == ScoreLoopRequests::kKeyAheadAndValue)
+      prefetch_row(requests.key_ahead, dim, next);
     prefetch_row(requests.value, requests.value_dim, next);
   }
   store_dot_products<kRows, kKeys>(acc[0], acc_t(1), scores, ld_s);
@@ -554,7 +572,8 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   // stored for every key) to share it between the two loops.
   for (; d < dim; ++d) {
     for (int j = 0; j < kKeys; ++j) {
-      for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
+      for (int r = 0; r < kRows; ++r)
+        scores[r * ld_s + j] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
     }
   }
 }
@@ -577,13 +596,13 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 // op read 7.1-7.6 GB/s so against 9.8-11.0 inlined.
 template <int kRows, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
-                const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim, int64_t dim_v,
-                acc_t* s_tile, int64_t ld_s) {
+                const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim,
+                int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
   using Traits = PagedKernelTraits<scalar_t>;
   auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr bool kInLoop = Traits::request_rows_in_score_loop(kKeys);
     constexpr bool kKeysAhead = !Traits::value_pass_requests_keys(kRows);
-    constexpr ScoreLoopRequests kRequests = !kInLoop    ? ScoreLoopRequests::kNone
+    constexpr ScoreLoopRequests kRequests = !kInLoop     ? ScoreLoopRequests::kNone
                                             : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
                                                          : ScoreLoopRequests::kValue;
     RowRequests<scalar_t> requests{};
@@ -595,7 +614,8 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
         if (c + j < values_listed) prefetch_row(value_rows[c + j], dim_v);
       }
     }
-    score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s, requests);
+    score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s,
+                                        requests);
   };
   constexpr int kKeys = Traits::keys_per_step(kRows);
   int64_t c = 0;
@@ -609,15 +629,18 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
 // slices are their own instantiation so that their loads carry no lane-count checks (GCC
 // kept a compare and branch per load in the loop over keys). kRequestAhead: at key c, bytes
 // `share` of ahead's row c.
-template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t, typename acc_t>
-C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
-                                              int64_t cols, int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
+template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t,
+          typename acc_t>
+C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
+                                              const scalar_t* const* value_rows, int64_t cols,
+                                              int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
                                               const SweepRequests<scalar_t>& ahead,
                                               std::pair<int64_t, int64_t> share) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
   int64_t width[kVectors];  // valid lanes of each vector of the slice (0 past dim)
-  for (int j = 0; j < kVectors; ++j) width[j] = kFull ? kWidth : std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
+  for (int j = 0; j < kVectors; ++j)
+    width[j] = kFull ? kWidth : std::clamp<int64_t>(dim - d0 - j * kWidth, 0, kWidth);
   Vec acc[kRows * kVectors];  // acc[r * kVectors + j]
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int r = i / kVectors, j = i % kVectors;
@@ -662,8 +685,9 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
 // value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
 // requested spread over the pass.
 template <int kRows, typename scalar_t, typename acc_t>
-void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows, int64_t cols,
-                       int64_t dim, acc_t* o, int64_t ld_o, const SweepRequests<scalar_t>& next_keys) {
+void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
+                       int64_t cols, int64_t dim, acc_t* o, int64_t ld_o,
+                       const SweepRequests<scalar_t>& next_keys) {
   using Traits = PagedKernelTraits<scalar_t>;
   constexpr int kGroupRows = Traits::value_group_rows(kRows);
   constexpr int kVectors = Traits::value_vectors(kGroupRows);
@@ -791,12 +815,12 @@ struct PagedTask {
   int64_t split = 0;
   int64_t head_begin = 0;
   int64_t head_end = 0;
-  int64_t q_begin = 0;         // q's row of the sequence's first query
-  int64_t first_query = 0;     // the chunk's first query, counted within the sequence
-  int64_t rows = 0;            // the chunk's queries x group; 0 past the sequence's queries
-  int64_t seq_len = 0;         // the sequence's cached tokens
-  int64_t num_queries = 0;     // the sequence's queries, its last tokens
-  KeyRange keys{0, 0};         // the split's keys
+  int64_t q_begin = 0;      // q's row of the sequence's first query
+  int64_t first_query = 0;  // the chunk's first query, counted within the sequence
+  int64_t rows = 0;         // the chunk's queries x group; 0 past the sequence's queries
+  int64_t seq_len = 0;      // the sequence's cached tokens
+  int64_t num_queries = 0;  // the sequence's queries, its last tokens
+  KeyRange keys{0, 0};      // the split's keys
   const int32_t* block_table = nullptr;
   bool direct = false;          // rows <= kDirectRows: cached K and V rows read in place
   bool widen_in_pairs = false;  // the direct path's q and O rows in widen_bf16_pairs' order
@@ -880,10 +904,10 @@ struct PrefetchSchedule {
   using Traits = PagedKernelTraits<scalar_t>;
   const PagedAttentionParams& p;
   const PagedTask& task;
-  const bool keys_in_value_pass;  // the value pass requests the next item's key rows
-  const bool values_ahead;        // and the score pass the next item's value rows
-  TileRows<scalar_t> k_rows;      // the item's cached key rows (and some of the next's)
-  TileRows<scalar_t> v_rows;      // the item's cached value rows (and some of the next's)
+  const bool keys_in_value_pass;           // the value pass requests the next item's key rows
+  const bool values_ahead;                 // and the score pass the next item's value rows
+  TileRows<scalar_t> k_rows;               // the item's cached key rows (and some of the next's)
+  TileRows<scalar_t> v_rows;               // the item's cached value rows (and some of the next's)
   const scalar_t* next_values[kKeyBlock];  // the next item's value rows, where values_ahead
   const scalar_t* const* value_requests = nullptr;  // the value rows the score pass requests
   int64_t values_requested = 0;
@@ -1016,14 +1040,14 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
   if (task.direct) {
     // O += P V, the cached value rows read in place.
     dispatch_direct_rows(task.rows, [&](auto kRows) {
-      accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v,
-                               state.o, ld_dv, next_keys);
+      accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v, state.o,
+                               ld_dv, next_keys);
     });
   } else {
     gather_tile_rows(values, cols, p.head_dim_v, scratch.v_tile, ld_dv);
     // O += P V   [rows, head_dim_v]
-    tile_gemm<true>(task.rows, p.head_dim_v, cols, scratch.s_tile, kKeyBlock, scratch.v_tile,
-                    ld_dv, state.o, ld_dv);
+    tile_gemm<true>(task.rows, p.head_dim_v, cols, scratch.s_tile, kKeyBlock, scratch.v_tile, ld_dv,
+                    state.o, ld_dv);
   }
 }
 
@@ -1061,8 +1085,8 @@ void finish_task(const PagedAttentionParams& p, const PagedTask& task,
       const int64_t head = kv_head * group + r % group;
       const int64_t lse_index = token * p.num_heads + head;
       if (splits == 1) {
-        scalar_t* out = static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
-                        head * p.out_strides.head;
+        scalar_t* out =
+            static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head;
         static_cast<acc_t*>(p.lse)[lse_index] =
             finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
       } else {
@@ -1099,9 +1123,9 @@ void merge_split_outputs(const PagedAttentionParams& p) {
         lse = state.lse;
       }
       const int64_t token = index / p.num_heads, head = index % p.num_heads;
-      store_row(merged, dim_v, acc_t(1),
-                static_cast<scalar_t*>(p.out) + token * p.out_strides.token +
-                    head * p.out_strides.head);
+      store_row(
+          merged, dim_v, acc_t(1),
+          static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head);
       static_cast<acc_t*>(p.lse)[index] = lse;
     }
   });
@@ -1144,8 +1168,10 @@ void merge_states_kernel(const MergeStatesParams& p) {
       scalar_t* out = static_cast<scalar_t*>(p.out) + row * p.out_stride;
       for (int64_t d = 0; d < p.head_dim; ++d) {
         // A side with weight 0 contributes nothing, even when its output holds garbage.
-        const acc_t from_a = state.weight_a == acc_t(0) ? acc_t(0) : state.weight_a * static_cast<acc_t>(a[d]);
-        const acc_t from_b = state.weight_b == acc_t(0) ? acc_t(0) : state.weight_b * static_cast<acc_t>(b[d]);
+        const acc_t from_a =
+            state.weight_a == acc_t(0) ? acc_t(0) : state.weight_a * static_cast<acc_t>(a[d]);
+        const acc_t from_b =
+            state.weight_b == acc_t(0) ? acc_t(0) : state.weight_b * static_cast<acc_t>(b[d]);
         out[d] = static_cast<scalar_t>(from_a + from_b);
       }
       static_cast<acc_t*>(p.lse)[row] = state.lse;

@@ -20,8 +20,8 @@ inline namespace CPU_CAPABILITY {
 // last vector column holds only `last_width` valid lanes (the right edge of C); without it
 // every load and store is a full vector.
 template <int kRows, int kCols, bool kAccumulate, bool kRagged, bool kTransA, typename T>
-inline void gemm_micro_kernel(int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb,
-                              T* c, int64_t ldc, int last_width) {
+inline void gemm_micro_kernel(int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                              int64_t ldc, int last_width) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int kWidth = Vec::size();
   auto width = [&](int col) { return kRagged && col == kCols - 1 ? last_width : kWidth; };
@@ -69,8 +69,8 @@ constexpr int kBlockCols = 4;
 
 // One vector column of C for all m rows: the right edge that 4-vector blocks leave over.
 template <bool kAccumulate, bool kRagged, bool kTransA, typename T>
-void gemm_column(int64_t m, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb,
-                 T* c, int64_t ldc, int width) {
+void gemm_column(int64_t m, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                 int64_t ldc, int width) {
   auto a_rows = [&](int64_t row) { return kTransA ? a + row : a + row * lda; };
   int64_t row = 0;
   for (; row + kBlockRows <= m; row += kBlockRows) {

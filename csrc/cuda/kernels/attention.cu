@@ -26,7 +26,8 @@ __device__ void load_tile(acc_t* tile, int64_t ld_dst, int tile_rows, const scal
                           int64_t ld_src, int64_t count, int64_t dim, acc_t factor) {
   for (int64_t idx = threadIdx.x; idx < tile_rows * dim; idx += blockDim.x) {
     const int64_t r = idx / dim, d = idx % dim;
-    tile[r * ld_dst + d] = r < count ? static_cast<acc_t>(widen(src[r * ld_src + d])) * factor : acc_t(0);
+    tile[r * ld_dst + d] =
+        r < count ? static_cast<acc_t>(widen(src[r * ld_src + d])) * factor : acc_t(0);
   }
 }
 
@@ -37,8 +38,8 @@ __global__ void __launch_bounds__(kSimtThreads)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const SimtTiles tiles{p.head_dim, p.head_dim_v};
   acc_t* q_tile = reinterpret_cast<acc_t*>(shared_bytes);  // [kSimtRows, head_dim]
-  acc_t* k_tile = q_tile + kSimtRows * p.head_dim;          // [kSimtKeys, head_dim + 1]
-  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();        // [kSimtKeys, head_dim_v]
+  acc_t* k_tile = q_tile + kSimtRows * p.head_dim;         // [kSimtKeys, head_dim + 1]
+  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();       // [kSimtKeys, head_dim_v]
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t batch = blockIdx.z, head = blockIdx.y;
@@ -49,10 +50,10 @@ __global__ void __launch_bounds__(kSimtThreads)
 
   const scalar_t* q = static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
                       head * p.q_strides.head + row0 * p.q_strides.row;
-  const scalar_t* k = static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
-                      kv_head * p.k_strides.head;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
-                      kv_head * p.v_strides.head;
+  const scalar_t* k =
+      static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
+  const scalar_t* v =
+      static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
   load_tile(q_tile, p.head_dim, kSimtRows, q, p.q_strides.row, rows, p.head_dim,
             static_cast<acc_t>(p.scale));
 
@@ -88,14 +89,16 @@ __global__ void __launch_bounds__(kSimtThreads)
     if (p.dropout.enabled) {
 #pragma unroll
       for (int i = 0; i < kSimtRowsPerWarp; ++i) {
-        scores[i] = apply_dropout(scores[i], p.dropout, batch, head, row0 + first_row + i, key0 + lane);
+        scores[i] =
+            apply_dropout(scores[i], p.dropout, batch, head, row0 + first_row + i, key0 + lane);
       }
     }
     state.accumulate(scores, v_tile, p.head_dim_v, lane);
   }
 
   acc_t* lse = static_cast<acc_t*>(p.lse) + (batch * p.num_heads + head) * p.seq_q;
-  scalar_t* out = static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
+  scalar_t* out =
+      static_cast<scalar_t*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
 #pragma unroll
   for (int i = 0; i < kSimtRowsPerWarp; ++i) {
     const int64_t row = row0 + first_row + i;
@@ -109,7 +112,8 @@ __global__ void __launch_bounds__(kSimtThreads)
 template <typename scalar_t>
 __global__ void attention_delta(AttentionBackwardParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
-  const int64_t row_index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t row_index =
+      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (row_index >= p.batch * p.num_heads * p.seq_q) return;
   const int64_t batch = row_index / (p.num_heads * p.seq_q);
@@ -117,8 +121,9 @@ __global__ void attention_delta(AttentionBackwardParams p) {
   const int64_t row = row_index % p.seq_q;
   const scalar_t* out = static_cast<const scalar_t*>(p.out) + batch * p.out_strides.batch +
                         head * p.out_strides.head + row * p.out_strides.row;
-  const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                             head * p.grad_out_strides.head + row * p.grad_out_strides.row;
+  const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) +
+                             batch * p.grad_out_strides.batch + head * p.grad_out_strides.head +
+                             row * p.grad_out_strides.row;
   acc_t dot = 0;
   for (int64_t d = lane; d < p.head_dim_v; d += kWarpSize) {
     dot += static_cast<acc_t>(widen(out[d])) * static_cast<acc_t>(widen(grad_out[d]));
@@ -152,14 +157,14 @@ __global__ void __launch_bounds__(kSimtThreads)
   constexpr int kProbLd = kSimtKeys + 1;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const SimtBackwardTiles tiles{p.head_dim, p.head_dim_v};
-  acc_t* k_tile = reinterpret_cast<acc_t*>(shared_bytes);   // [kSimtKeys, head_dim + 1]
-  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();          // [kSimtKeys, head_dim_v + 1]
-  acc_t* q_tile = v_tile + kSimtKeys * tiles.v_ld();          // [kSimtRows, head_dim], scaled
-  acc_t* do_tile = q_tile + kSimtRows * p.head_dim;           // [kSimtRows, head_dim_v]
-  acc_t* pd_tile = do_tile + kSimtRows * p.head_dim_v;        // [kSimtRows, kProbLd] P after dropout
-  acc_t* ds_tile = pd_tile + kSimtRows * kProbLd;             // [kSimtRows, kProbLd] dS
-  acc_t* lse_rows = ds_tile + kSimtRows * kProbLd;            // [kSimtRows]
-  acc_t* delta_rows = lse_rows + kSimtRows;                   // [kSimtRows]
+  acc_t* k_tile = reinterpret_cast<acc_t*>(shared_bytes);  // [kSimtKeys, head_dim + 1]
+  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();       // [kSimtKeys, head_dim_v + 1]
+  acc_t* q_tile = v_tile + kSimtKeys * tiles.v_ld();       // [kSimtRows, head_dim], scaled
+  acc_t* do_tile = q_tile + kSimtRows * p.head_dim;        // [kSimtRows, head_dim_v]
+  acc_t* pd_tile = do_tile + kSimtRows * p.head_dim_v;     // [kSimtRows, kProbLd] P after dropout
+  acc_t* ds_tile = pd_tile + kSimtRows * kProbLd;          // [kSimtRows, kProbLd] dS
+  acc_t* lse_rows = ds_tile + kSimtRows * kProbLd;         // [kSimtRows]
+  acc_t* delta_rows = lse_rows + kSimtRows;                // [kSimtRows]
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t batch = blockIdx.z, kv_head = blockIdx.y;
@@ -170,12 +175,12 @@ __global__ void __launch_bounds__(kSimtThreads)
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
 
   load_tile(k_tile, tiles.k_ld(), kSimtKeys,
-            static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head +
-                key0 * p.k_strides.row,
+            static_cast<const scalar_t*>(p.k) + batch * p.k_strides.batch +
+                kv_head * p.k_strides.head + key0 * p.k_strides.row,
             p.k_strides.row, keys, p.head_dim, acc_t(1));
   load_tile(v_tile, tiles.v_ld(), kSimtKeys,
-            static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head +
-                key0 * p.v_strides.row,
+            static_cast<const scalar_t*>(p.v) + batch * p.v_strides.batch +
+                kv_head * p.v_strides.head + key0 * p.v_strides.row,
             p.v_strides.row, keys, p.head_dim_v, acc_t(1));
 
   // Warp w accumulates dK/dV of keys key0 + w * kKeysPerWarp + j, lane l dims l, l + 32, ...
@@ -192,8 +197,8 @@ __global__ void __launch_bounds__(kSimtThreads)
       __syncthreads();  // the previous rows' tiles are no longer read
       // Scaled on load: S = (scale Q) K^T, and dK = dS^T (scale Q) needs no rescaling.
       load_tile(q_tile, p.head_dim, kSimtRows,
-                static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head +
-                    row0 * p.q_strides.row,
+                static_cast<const scalar_t*>(p.q) + batch * p.q_strides.batch +
+                    head * p.q_strides.head + row0 * p.q_strides.row,
                 p.q_strides.row, rows, p.head_dim, scale);
       load_tile(do_tile, p.head_dim_v, kSimtRows,
                 static_cast<const scalar_t*>(p.grad_out) + batch * p.grad_out_strides.batch +
@@ -202,9 +207,11 @@ __global__ void __launch_bounds__(kSimtThreads)
       if (threadIdx.x < kSimtRows) {
         const bool valid = threadIdx.x < rows;
         lse_rows[threadIdx.x] =
-            valid ? static_cast<const acc_t*>(p.lse)[bh * p.seq_q + row0 + threadIdx.x] : acc_t(-INFINITY);
+            valid ? static_cast<const acc_t*>(p.lse)[bh * p.seq_q + row0 + threadIdx.x]
+                  : acc_t(-INFINITY);
         delta_rows[threadIdx.x] =
-            valid ? static_cast<const acc_t*>(p.delta)[bh * p.seq_q + row0 + threadIdx.x] : acc_t(0);
+            valid ? static_cast<const acc_t*>(p.delta)[bh * p.seq_q + row0 + threadIdx.x]
+                  : acc_t(0);
       }
       __syncthreads();
 
@@ -217,10 +224,11 @@ __global__ void __launch_bounds__(kSimtThreads)
         // A fully masked row (lse -inf) has P = 0.
         if (lane < keys && lse_rows[r] != acc_t(-INFINITY)) {
           const acc_t score = masked_score<scalar_t>(
-              row_key_dot(q_tile + r * p.head_dim, k_tile, tiles.k_ld(), lane, p.head_dim), p, batch,
-              head, row, key);
+              row_key_dot(q_tile + r * p.head_dim, k_tile, tiles.k_ld(), lane, p.head_dim), p,
+              batch, head, row, key);
           const acc_t prob = exp_of(score - lse_rows[r]);
-          acc_t grad_prob = row_key_dot(do_tile + r * p.head_dim_v, v_tile, tiles.v_ld(), lane, p.head_dim_v);
+          acc_t grad_prob =
+              row_key_dot(do_tile + r * p.head_dim_v, v_tile, tiles.v_ld(), lane, p.head_dim_v);
           prob_dropped = prob;
           if (p.dropout.enabled) {
             prob_dropped = apply_dropout(prob, p.dropout, batch, head, row, key);
@@ -258,7 +266,8 @@ __global__ void __launch_bounds__(kSimtThreads)
           const int64_t d = lane + c * kWarpSize;
           if (d >= p.head_dim) continue;
           acc_t sum = 0;
-          for (int key = 0; key < keys; ++key) sum += ds_tile[r * kProbLd + key] * k_tile[key * tiles.k_ld() + d];
+          for (int key = 0; key < keys; ++key)
+            sum += ds_tile[r * kProbLd + key] * k_tile[key * tiles.k_ld() + d];
           atomicAdd(grad_q_accum + (row0 + r) * p.head_dim + d, sum);
         }
       }
@@ -288,11 +297,13 @@ __global__ void attention_grad_q_cast(AttentionBackwardParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   const int64_t total = p.batch * p.num_heads * p.seq_q * p.head_dim;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += stride) {
     const int64_t d = idx % p.head_dim, row = idx / p.head_dim % p.seq_q;
-    const int64_t head = idx / (p.head_dim * p.seq_q) % p.num_heads, batch = idx / (p.head_dim * p.seq_q * p.num_heads);
-    store_as(static_cast<scalar_t*>(p.grad_q) + batch * p.grad_q_strides.batch + head * p.grad_q_strides.head +
-                 row * p.grad_q_strides.row + d,
+    const int64_t head = idx / (p.head_dim * p.seq_q) % p.num_heads,
+                  batch = idx / (p.head_dim * p.seq_q * p.num_heads);
+    store_as(static_cast<scalar_t*>(p.grad_q) + batch * p.grad_q_strides.batch +
+                 head * p.grad_q_strides.head + row * p.grad_q_strides.row + d,
              static_cast<acc_t>(p.scale) * static_cast<const acc_t*>(p.grad_q_accum)[idx]);
   }
 }
@@ -311,7 +322,8 @@ cudaError_t launch_with_shared(Kernel kernel, dim3 grid, int threads, size_t sha
   return cudaGetLastError();
 }
 
-cudaError_t forward_simt(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
+cudaError_t forward_simt(const AttentionForwardParams& p, const int64_t* seed,
+                         cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = typename AccumulateType<scalar_t>::type;
@@ -328,7 +340,8 @@ cudaError_t forward_simt(const AttentionForwardParams& p, const int64_t* seed, c
   });
 }
 
-cudaError_t backward_simt(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
+cudaError_t backward_simt(const AttentionBackwardParams& p, const int64_t* seed,
+                          cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = typename AccumulateType<scalar_t>::type;
@@ -345,17 +358,20 @@ cudaError_t backward_simt(const AttentionBackwardParams& p, const int64_t* seed,
   });
 }
 
-cudaError_t delta_and_grad_q_cast(const AttentionBackwardParams& p, cudaStream_t stream, bool delta) {
+cudaError_t delta_and_grad_q_cast(const AttentionBackwardParams& p, cudaStream_t stream,
+                                  bool delta) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     constexpr int kThreads = 256;
     if (delta) {
       const int64_t rows = p.batch * p.num_heads * p.seq_q;
-      attention_delta<scalar_t><<<static_cast<unsigned>(ceil_div<int64_t>(rows * kWarpSize, kThreads)),
-                                  kThreads, 0, stream>>>(p);
+      attention_delta<scalar_t>
+          <<<static_cast<unsigned>(ceil_div<int64_t>(rows * kWarpSize, kThreads)), kThreads, 0,
+             stream>>>(p);
     } else {
-      attention_grad_q_cast<scalar_t><<<stride_blocks(p.batch * p.num_heads * p.seq_q * p.head_dim, kThreads),
-                                        kThreads, 0, stream>>>(p);
+      attention_grad_q_cast<scalar_t>
+          <<<stride_blocks(p.batch * p.num_heads * p.seq_q * p.head_dim, kThreads), kThreads, 0,
+             stream>>>(p);
     }
     return cudaGetLastError();
   });

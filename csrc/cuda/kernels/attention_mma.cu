@@ -5,9 +5,9 @@
 // works on the S fragments in registers, so P never leaves the warp.
 //
 // Fragment layout of mma.m16n8k16 (PTX ISA), lane = 4 * g + t:
-//   A (16x16, row major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
-//   B (16x8, k x n):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
-//   C (16x8, fp32):       c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
+//   A (16x16, row major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 =
+//   A[g+8][2t+8..] B (16x8, k x n):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g] C (16x8, fp32):
+//   c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
 // Two adjacent n-tiles of a C fragment (keys 0-7 and 8-15) are exactly the A fragment of the
 // next product, which is how P feeds P V without a trip through shared memory.
 #include <cstring>
@@ -63,8 +63,8 @@ __device__ __forceinline__ uint32_t load_pair(const T* pair) {
 }
 
 // c += a * b on the tensor cores, fp32 accumulation.
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                                            __half) {
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2], __half) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -72,8 +72,8 @@ __device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
-                                            __nv_bfloat16) {
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2], __nv_bfloat16) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -105,7 +105,8 @@ __device__ __forceinline__ void load_tile(T* tile, int tile_rows, const T* src, 
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
     attention_forward_mma(AttentionForwardParams p, const int64_t* seed) {
-  static_assert(kDim % 16 == 0 && kDim <= 256, "tensor-core head dims are multiples of 16 up to 256");
+  static_assert(kDim % 16 == 0 && kDim <= 256,
+                "tensor-core head dims are multiples of 16 up to 256");
   constexpr int kLd = kTileLd<kDim>;
   constexpr int kDimSteps = kDim / 16;     // k-steps of S = Q K^T
   constexpr int kDimFragments = kDim / 8;  // n-tiles of O
@@ -167,10 +168,9 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
 
     // Scale, then the window / mask / sequence end per element where the tile needs it.
-    const bool whole_tile_visible =
-        p.mask.kind == MaskKind::kNone && key0 + kMmaKeys <= p.seq_k &&
-        visible_keys(p.window, row0, p.seq_k).end >= key0 + kMmaKeys &&
-        visible_keys(p.window, last_row, p.seq_k).begin <= key0;
+    const bool whole_tile_visible = p.mask.kind == MaskKind::kNone && key0 + kMmaKeys <= p.seq_k &&
+                                    visible_keys(p.window, row0, p.seq_k).end >= key0 + kMmaKeys &&
+                                    visible_keys(p.window, last_row, p.seq_k).begin <= key0;
 #pragma unroll
     for (int n = 0; n < kFragmentsPerTile; ++n) {
 #pragma unroll
@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kMmaThreads)
         float score = s[n][e] * scale;
         // Rows past seq_q are never stored; they must not read the mask either.
         if (!whole_tile_visible) {
-          score = rows[e / 2] < p.seq_q ? masked_score<T>(score, p, batch, head, rows[e / 2], col) : -INFINITY;
+          score = rows[e / 2] < p.seq_q ? masked_score<T>(score, p, batch, head, rows[e / 2], col)
+                                        : -INFINITY;
         }
         s[n][e] = score;
       }
@@ -190,7 +191,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     for (int r = 0; r < 2; ++r) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < kFragmentsPerTile; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      for (int n = 0; n < kFragmentsPerTile; ++n)
+        tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
       const float new_max = fmaxf(row_max[r], tile_max);
@@ -244,7 +246,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int f = 0; f < kDimFragments; ++f) {
         const T* v_col = v_rows + f * 8;
-        const uint32_t b[2] = {pack_pair(v_col[0], v_col[kLd]), pack_pair(v_col[8 * kLd], v_col[9 * kLd])};
+        const uint32_t b[2] = {pack_pair(v_col[0], v_col[kLd]),
+                               pack_pair(v_col[8 * kLd], v_col[9 * kLd])};
         mma_16x8x16(o_acc[f], a, b, T{});
       }
     }
@@ -279,11 +282,11 @@ __global__ void __launch_bounds__(kMmaThreads)
 constexpr int kBwdKeys = 16 * kMmaWarps;  // keys per block
 constexpr int kBwdRows = 32;              // query rows per tile
 constexpr int kBwdFragments = kBwdRows / 8;
-constexpr int kDsLd = kBwdKeys + 8;       // dS tile row stride (bank spread, as kTileLd)
+constexpr int kDsLd = kBwdKeys + 8;  // dS tile row stride (bank spread, as kTileLd)
 
 template <int kDim>
-constexpr size_t kBwdSharedBytes =
-    (2 * kBwdKeys + 2 * kBwdRows) * kTileLd<kDim> * 2 + kBwdRows * kDsLd * 2 + 2 * kBwdRows * sizeof(float);
+constexpr size_t kBwdSharedBytes = (2 * kBwdKeys + 2 * kBwdRows) * kTileLd<kDim> * 2 +
+                                   kBwdRows * kDsLd * 2 + 2 * kBwdRows * sizeof(float);
 
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
@@ -298,7 +301,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   T* do_tile = q_tile + kBwdRows * kLd;            // [kBwdRows, kLd]
   T* ds_tile = do_tile + kBwdRows * kLd;           // [kBwdRows, kDsLd]: dS (query-major)
   float* lse_rows = reinterpret_cast<float*>(ds_tile + kBwdRows * kDsLd);  // [kBwdRows]
-  float* delta_rows = lse_rows + kBwdRows;                                  // [kBwdRows]
+  float* delta_rows = lse_rows + kBwdRows;                                 // [kBwdRows]
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;
@@ -310,12 +313,14 @@ __global__ void __launch_bounds__(kMmaThreads)
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
   const float keep_scale = static_cast<float>(p.dropout.keep_scale);
 
-  load_tile<T, kDim>(k_tile, kBwdKeys,
-                     static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head,
-                     p.k_strides.row, key0, p.seq_k);
-  load_tile<T, kDim>(v_tile, kBwdKeys,
-                     static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head,
-                     p.v_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(
+      k_tile, kBwdKeys,
+      static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head,
+      p.k_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(
+      v_tile, kBwdKeys,
+      static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head,
+      p.v_strides.row, key0, p.seq_k);
 
   // This thread's keys in the C fragments of S^T: r = 0 is key g of the warp's 16, r = 1 key g + 8.
   const int warp_key = warp * 16;
@@ -336,8 +341,10 @@ __global__ void __launch_bounds__(kMmaThreads)
       load_tile<T, kDim>(do_tile, kBwdRows, grad_out, p.grad_out_strides.row, row0, p.seq_q);
       if (threadIdx.x < kBwdRows) {
         const int64_t row = row0 + threadIdx.x;
-        lse_rows[threadIdx.x] = row < p.seq_q ? static_cast<const float*>(p.lse)[bh * p.seq_q + row] : -INFINITY;
-        delta_rows[threadIdx.x] = row < p.seq_q ? static_cast<const float*>(p.delta)[bh * p.seq_q + row] : 0.f;
+        lse_rows[threadIdx.x] =
+            row < p.seq_q ? static_cast<const float*>(p.lse)[bh * p.seq_q + row] : -INFINITY;
+        delta_rows[threadIdx.x] =
+            row < p.seq_q ? static_cast<const float*>(p.delta)[bh * p.seq_q + row] : 0.f;
       }
       __syncthreads();
 
@@ -348,10 +355,12 @@ __global__ void __launch_bounds__(kMmaThreads)
       const T* v_rows = v_tile + (warp_key + g) * kLd + 2 * t;
 #pragma unroll
       for (int step = 0; step < kDimSteps; ++step) {
-        const uint32_t a_k[4] = {load_pair(k_rows + step * 16), load_pair(k_rows + 8 * kLd + step * 16),
-                                 load_pair(k_rows + step * 16 + 8), load_pair(k_rows + 8 * kLd + step * 16 + 8)};
-        const uint32_t a_v[4] = {load_pair(v_rows + step * 16), load_pair(v_rows + 8 * kLd + step * 16),
-                                 load_pair(v_rows + step * 16 + 8), load_pair(v_rows + 8 * kLd + step * 16 + 8)};
+        const uint32_t a_k[4] = {
+            load_pair(k_rows + step * 16), load_pair(k_rows + 8 * kLd + step * 16),
+            load_pair(k_rows + step * 16 + 8), load_pair(k_rows + 8 * kLd + step * 16 + 8)};
+        const uint32_t a_v[4] = {
+            load_pair(v_rows + step * 16), load_pair(v_rows + 8 * kLd + step * 16),
+            load_pair(v_rows + step * 16 + 8), load_pair(v_rows + 8 * kLd + step * 16 + 8)};
 #pragma unroll
         for (int n = 0; n < kBwdFragments; ++n) {
           const T* q_row = q_tile + (n * 8 + g) * kLd + step * 16 + 2 * t;
@@ -425,8 +434,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int step = 0; step < kBwdKeys / 16; ++step) {
         const T* ds_row = ds_tile + (dq_row + g) * kDsLd + step * 16 + 2 * t;
-        const uint32_t a[4] = {load_pair(ds_row), load_pair(ds_row + 8 * kDsLd), load_pair(ds_row + 8),
-                               load_pair(ds_row + 8 * kDsLd + 8)};
+        const uint32_t a[4] = {load_pair(ds_row), load_pair(ds_row + 8 * kDsLd),
+                               load_pair(ds_row + 8), load_pair(ds_row + 8 * kDsLd + 8)};
         const T* k_col = k_tile + (step * 16 + 2 * t) * kLd + dq_dim + g;
 #pragma unroll
         for (int f = 0; f < kDimFragments / 2; ++f) {
@@ -441,15 +450,18 @@ __global__ void __launch_bounds__(kMmaThreads)
         if (row >= p.seq_q) continue;
 #pragma unroll
         for (int f = 0; f < kDimFragments / 2; ++f) {
-          atomicAdd(grad_q_accum + row * p.head_dim + dq_dim + f * 8 + 2 * t + (e & 1), grad_q[f][e]);
+          atomicAdd(grad_q_accum + row * p.head_dim + dq_dim + f * 8 + 2 * t + (e & 1),
+                    grad_q[f][e]);
         }
       }
     }
   }
 
   // dK = dS^T (scale Q): the scale applied once here.
-  T* grad_k_out = static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + kv_head * p.grad_k_strides.head;
-  T* grad_v_out = static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + kv_head * p.grad_v_strides.head;
+  T* grad_k_out =
+      static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + kv_head * p.grad_k_strides.head;
+  T* grad_v_out =
+      static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + kv_head * p.grad_v_strides.head;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int64_t key = my_keys[e / 2];
@@ -466,7 +478,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 // Calls launch(std::integral_constant<int, kDim>) for the compiled head dim equal to
 // head_dim; false when none is.
 template <typename Launch, int... kSlots>
-bool for_compiled_head_dim(int64_t head_dim, Launch&& launch, std::integer_sequence<int, kSlots...>) {
+bool for_compiled_head_dim(int64_t head_dim, Launch&& launch,
+                           std::integer_sequence<int, kSlots...>) {
   auto try_slot = [&](auto slot) {
     constexpr int kSlot = decltype(slot)::value;
     if constexpr (((MHA_EXT_HEAD_DIM_MASK >> kSlot) & 1) == 0) {
@@ -486,55 +499,67 @@ constexpr auto kHeadDimSlots = std::make_integer_sequence<int, 16>{};  // head d
 // Launches kernel<<<grid, kMmaThreads, shared, stream>>>(params, seed), opting into more than
 // 48 KiB of shared memory where needed; errors surface through cudaGetLastError.
 template <typename Params>
-void launch_mma(void (*kernel)(Params, const int64_t*), dim3 grid, size_t shared, cudaStream_t stream,
-                const Params& params, const int64_t* seed) {
+void launch_mma(void (*kernel)(Params, const int64_t*), dim3 grid, size_t shared,
+                cudaStream_t stream, const Params& params, const int64_t* seed) {
   if (shared > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(shared));
   }
   kernel<<<grid, kMmaThreads, shared, stream>>>(params, seed);
 }
 
 template <typename T>
 bool forward_for_dtype(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)), static_cast<unsigned>(p.num_heads),
-                  static_cast<unsigned>(p.batch));
-  return for_compiled_head_dim(p.head_dim, [&](auto dim) {
-    constexpr int kDim = decltype(dim)::value;
-    launch_mma(attention_forward_mma<T, kDim>, grid, 2 * kMmaKeys * kTileLd<kDim> * sizeof(T), stream, p, seed);
-  }, kHeadDimSlots);
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  return for_compiled_head_dim(
+      p.head_dim,
+      [&](auto dim) {
+        constexpr int kDim = decltype(dim)::value;
+        launch_mma(attention_forward_mma<T, kDim>, grid, 2 * kMmaKeys * kTileLd<kDim> * sizeof(T),
+                   stream, p, seed);
+      },
+      kHeadDimSlots);
 }
 
 template <typename T>
-bool backward_for_dtype(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_k, kBwdKeys)), static_cast<unsigned>(p.num_kv_heads),
-                  static_cast<unsigned>(p.batch));
-  return for_compiled_head_dim(p.head_dim, [&](auto dim) {
-    constexpr int kDim = decltype(dim)::value;
-    launch_mma(attention_backward_mma<T, kDim>, grid, kBwdSharedBytes<kDim>, stream, p, seed);
-  }, kHeadDimSlots);
+bool backward_for_dtype(const AttentionBackwardParams& p, const int64_t* seed,
+                        cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_k, kBwdKeys)),
+                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
+  return for_compiled_head_dim(
+      p.head_dim,
+      [&](auto dim) {
+        constexpr int kDim = decltype(dim)::value;
+        launch_mma(attention_backward_mma<T, kDim>, grid, kBwdSharedBytes<kDim>, stream, p, seed);
+      },
+      kHeadDimSlots);
 }
 
 bool aligned_rows(const void* data, const RowStrides& strides) {
   // 16-byte loads: every row of 16-bit elements starts on a multiple of 8 elements.
-  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && strides.batch % 8 == 0 && strides.head % 8 == 0 &&
-         strides.row % 8 == 0;
+  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && strides.batch % 8 == 0 &&
+         strides.head % 8 == 0 && strides.row % 8 == 0;
 }
 
 // fp16/bf16 with one head dim for q, k and v, and rows the 16-byte tile loads can read.
 bool tensor_core_inputs(const AttentionForwardParams& p) {
-  return (p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16) && p.head_dim == p.head_dim_v &&
-         aligned_rows(p.q, p.q_strides) && aligned_rows(p.k, p.k_strides) && aligned_rows(p.v, p.v_strides);
+  return (p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16) &&
+         p.head_dim == p.head_dim_v && aligned_rows(p.q, p.q_strides) &&
+         aligned_rows(p.k, p.k_strides) && aligned_rows(p.v, p.v_strides);
 }
 
 }  // namespace
 
-bool tensor_core_forward(const AttentionForwardParams& p, const int64_t* seed, cudaStream_t stream) {
+bool tensor_core_forward(const AttentionForwardParams& p, const int64_t* seed,
+                         cudaStream_t stream) {
   if (!tensor_core_inputs(p)) return false;
   return p.dtype == DType::kFloat16 ? forward_for_dtype<__half>(p, seed, stream)
                                     : forward_for_dtype<__nv_bfloat16>(p, seed, stream);
 }
 
-bool tensor_core_backward(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
+bool tensor_core_backward(const AttentionBackwardParams& p, const int64_t* seed,
+                          cudaStream_t stream) {
   if (!tensor_core_inputs(p) || !aligned_rows(p.grad_out, p.grad_out_strides)) return false;
   return p.dtype == DType::kFloat16 ? backward_for_dtype<__half>(p, seed, stream)
                                     : backward_for_dtype<__nv_bfloat16>(p, seed, stream);

@@ -49,7 +49,8 @@ __device__ __forceinline__ T warp_max(T x) {
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    x += __shfl_xor_sync(kFullMask, x, offset);
   return x;
 }
 

@@ -27,11 +27,13 @@ __global__ void paged_kv_append_kernel(PagedAppendParams p) {
   const int64_t total = p.num_tokens * p.num_kv_heads * units;
   const int64_t capacity = p.num_blocks * p.block_size;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += stride) {
     const int64_t token = idx / (p.num_kv_heads * units);
     const int64_t head = idx / units % p.num_kv_heads;
     const int64_t slot = p.slot_mapping[token];
-    if (slot < 0 || slot >= capacity) continue;  // -1 skips the token; out of range is never written
+    if (slot < 0 || slot >= capacity)
+      continue;  // -1 skips the token; out of range is never written
     const CacheSlot location = slot_location(slot, p.block_size);
     const bool is_key = idx % units < key_units;
     const int64_t unit = is_key ? idx % units : idx % units - key_units;
@@ -55,8 +57,10 @@ struct PagedRowTile {
 
 // The element offset of cached token `position` of kv head `kv_head`, or -1 when the block
 // table names a block outside the cache.
-__device__ __forceinline__ int64_t cached_row(const PagedAttentionParams& p, const int32_t* block_table,
-                                              const CacheStrides& strides, int64_t kv_head, int64_t position) {
+__device__ __forceinline__ int64_t cached_row(const PagedAttentionParams& p,
+                                              const int32_t* block_table,
+                                              const CacheStrides& strides, int64_t kv_head,
+                                              int64_t position) {
   const CacheSlot location = position_location(block_table, position, p.block_size);
   if (location.block < 0 || location.block >= p.num_blocks) return -1;
   return cache_row_offset(strides, location, kv_head);
@@ -68,9 +72,9 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const SimtTiles tiles{p.head_dim, p.head_dim_v};
   acc_t* q_tile = reinterpret_cast<acc_t*>(shared_bytes);  // [kSimtRows, head_dim]
-  acc_t* k_tile = q_tile + kSimtRows * p.head_dim;          // [kSimtKeys, head_dim + 1]
-  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();        // [kSimtKeys, head_dim_v]
-  __shared__ bool key_cached[kSimtKeys];                    // false: the key's block is invalid
+  acc_t* k_tile = q_tile + kSimtRows * p.head_dim;         // [kSimtKeys, head_dim + 1]
+  acc_t* v_tile = k_tile + kSimtKeys * tiles.k_ld();       // [kSimtKeys, head_dim_v]
+  __shared__ bool key_cached[kSimtKeys];                   // false: the key's block is invalid
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t splits = p.num_kv_splits;
@@ -79,8 +83,10 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   const int64_t split = blockIdx.x % splits;
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t q_begin = p.cu_seqlens_q[seq];
-  const int64_t num_queries = max(static_cast<int64_t>(p.cu_seqlens_q[seq + 1]) - q_begin, int64_t(0));
-  const int64_t seq_len = min(static_cast<int64_t>(p.seq_lens[seq]), p.max_blocks_per_seq * p.block_size);
+  const int64_t num_queries =
+      max(static_cast<int64_t>(p.cu_seqlens_q[seq + 1]) - q_begin, int64_t(0));
+  const int64_t seq_len =
+      min(static_cast<int64_t>(p.seq_lens[seq]), p.max_blocks_per_seq * p.block_size);
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
@@ -88,12 +94,13 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
 
   const int64_t row_tiles = ceil_div<int64_t>(num_queries * group, kSimtRows);
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
-    const PagedRowTile rows{tile * kSimtRows, min(static_cast<int64_t>(kSimtRows), num_queries * group - tile * kSimtRows)};
+    const PagedRowTile rows{tile * kSimtRows, min(static_cast<int64_t>(kSimtRows),
+                                                  num_queries * group - tile * kSimtRows)};
     // The keys the tile's last query sees (paged_keys_seen: queries are their sequence's last
     // tokens), this block's split of them.
     const int64_t last_query = (rows.first + rows.rows - 1) / group;
-    const KeyRange keys =
-        split_key_range(paged_keys_seen(seq_len, num_queries, last_query), split, splits, kSimtKeys);
+    const KeyRange keys = split_key_range(paged_keys_seen(seq_len, num_queries, last_query), split,
+                                          splits, kSimtKeys);
 
     __syncthreads();  // the previous tile's q_tile is no longer read
     for (int64_t idx = threadIdx.x; idx < kSimtRows * p.head_dim; idx += blockDim.x) {
@@ -114,18 +121,23 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
       const int64_t tile_keys = min(static_cast<int64_t>(kSimtKeys), keys.end - key0);
       __syncthreads();  // the previous K/V tile is no longer read (and q_tile is complete)
       if (threadIdx.x < kSimtKeys) {
-        key_cached[threadIdx.x] = threadIdx.x < tile_keys &&
-                                  cached_row(p, block_table, p.k_cache_strides, kv_head, key0 + threadIdx.x) >= 0;
+        key_cached[threadIdx.x] =
+            threadIdx.x < tile_keys &&
+            cached_row(p, block_table, p.k_cache_strides, kv_head, key0 + threadIdx.x) >= 0;
       }
       for (int64_t idx = threadIdx.x; idx < kSimtKeys * p.head_dim; idx += blockDim.x) {
         const int64_t j = idx / p.head_dim, d = idx % p.head_dim;
-        const int64_t offset = j < tile_keys ? cached_row(p, block_table, p.k_cache_strides, kv_head, key0 + j) : -1;
-        k_tile[j * tiles.k_ld() + d] = offset >= 0 ? static_cast<acc_t>(widen(k_cache[offset + d])) : acc_t(0);
+        const int64_t offset =
+            j < tile_keys ? cached_row(p, block_table, p.k_cache_strides, kv_head, key0 + j) : -1;
+        k_tile[j * tiles.k_ld() + d] =
+            offset >= 0 ? static_cast<acc_t>(widen(k_cache[offset + d])) : acc_t(0);
       }
       for (int64_t idx = threadIdx.x; idx < kSimtKeys * p.head_dim_v; idx += blockDim.x) {
         const int64_t j = idx / p.head_dim_v, d = idx % p.head_dim_v;
-        const int64_t offset = j < tile_keys ? cached_row(p, block_table, p.v_cache_strides, kv_head, key0 + j) : -1;
-        v_tile[j * p.head_dim_v + d] = offset >= 0 ? static_cast<acc_t>(widen(v_cache[offset + d])) : acc_t(0);
+        const int64_t offset =
+            j < tile_keys ? cached_row(p, block_table, p.v_cache_strides, kv_head, key0 + j) : -1;
+        v_tile[j * p.head_dim_v + d] =
+            offset >= 0 ? static_cast<acc_t>(widen(v_cache[offset + d])) : acc_t(0);
       }
       __syncthreads();
 
@@ -136,7 +148,8 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
         const int64_t keys_seen = paged_keys_seen(seq_len, num_queries, row / group);
         scores[i] = -INFINITY;
         if (first_row + i < rows.rows && key_cached[lane] && key0 + lane < keys_seen) {
-          scores[i] = row_key_dot(q_tile + (first_row + i) * p.head_dim, k_tile, tiles.k_ld(), lane, p.head_dim);
+          scores[i] = row_key_dot(q_tile + (first_row + i) * p.head_dim, k_tile, tiles.k_ld(), lane,
+                                  p.head_dim);
         }
       }
       state.softmax_step(scores);
@@ -150,12 +163,15 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
       if (first_row + i >= rows.rows || token >= p.total_q) continue;
       acc_t row_lse;
       if (splits == 1) {
-        row_lse = state.finish(i, static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head,
-                               p.head_dim_v, lane);
+        row_lse = state.finish(
+            i,
+            static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head,
+            p.head_dim_v, lane);
         if (lane == 0) static_cast<acc_t*>(p.lse)[token * p.num_heads + head] = row_lse;
       } else {
         const int64_t partial_row = (split * p.total_q + token) * p.num_heads + head;
-        row_lse = state.finish(i, static_cast<acc_t*>(p.partial_out) + partial_row * p.head_dim_v, p.head_dim_v, lane);
+        row_lse = state.finish(i, static_cast<acc_t*>(p.partial_out) + partial_row * p.head_dim_v,
+                               p.head_dim_v, lane);
         if (lane == 0) static_cast<acc_t*>(p.partial_lse)[partial_row] = row_lse;
       }
     }
@@ -171,7 +187,8 @@ __global__ void merge_splits_kernel(PagedAttentionParams p) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);
   const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += stride) {
     const int64_t row = idx / p.head_dim_v, d = idx % p.head_dim_v;
     acc_t lse = partial_lse[row];
     acc_t value = partial_out[idx];
@@ -181,7 +198,9 @@ __global__ void merge_splits_kernel(PagedAttentionParams p) {
       lse = merged.lse;
     }
     const int64_t token = row / p.num_heads, head = row % p.num_heads;
-    store_as(static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head + d, value);
+    store_as(
+        static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head + d,
+        value);
     if (d == 0) static_cast<acc_t*>(p.lse)[row] = lse;
   }
 }
@@ -191,34 +210,48 @@ __global__ void merge_states_kernel(MergeStatesParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   const int64_t total = p.rows * p.head_dim;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += stride) {
     const int64_t row = idx / p.head_dim, d = idx % p.head_dim;
     const MergedState<acc_t> merged = merge_softmax_states(static_cast<const acc_t*>(p.lse_a)[row],
                                                            static_cast<const acc_t*>(p.lse_b)[row]);
     const acc_t a = widen(static_cast<const scalar_t*>(p.out_a)[row * p.out_a_stride + d]);
     const acc_t b = widen(static_cast<const scalar_t*>(p.out_b)[row * p.out_b_stride + d]);
-    store_as(static_cast<scalar_t*>(p.out) + row * p.out_stride + d, merged.weight_a * a + merged.weight_b * b);
+    store_as(static_cast<scalar_t*>(p.out) + row * p.out_stride + d,
+             merged.weight_a * a + merged.weight_b * b);
     if (d == 0) static_cast<acc_t*>(p.lse)[row] = merged.lse;
   }
 }
 
 template <typename unit_t>
 cudaError_t launch_append(const PagedAppendParams& p, cudaStream_t stream) {
-  const int64_t units = (p.head_dim + p.head_dim_v) * p.element_size / static_cast<int64_t>(sizeof(unit_t));
-  paged_kv_append_kernel<unit_t><<<stride_blocks(p.num_tokens * p.num_kv_heads * units, kCopyThreads), kCopyThreads, 0, stream>>>(p);
+  const int64_t units =
+      (p.head_dim + p.head_dim_v) * p.element_size / static_cast<int64_t>(sizeof(unit_t));
+  paged_kv_append_kernel<unit_t>
+      <<<stride_blocks(p.num_tokens * p.num_kv_heads * units, kCopyThreads), kCopyThreads, 0,
+         stream>>>(p);
   return cudaGetLastError();
 }
 
 // Whether every key and value row, in the inputs and the caches, can move in 16-byte units.
 bool append_rows_aligned(const PagedAppendParams& p) {
-  const int64_t row_strides[] = {p.key_strides.token,     p.key_strides.head,       p.value_strides.token,
-                                 p.value_strides.head,    p.k_cache_strides.block,  p.k_cache_strides.head,
-                                 p.k_cache_strides.offset, p.v_cache_strides.block, p.v_cache_strides.head,
-                                 p.v_cache_strides.offset, p.head_dim,              p.head_dim_v};
+  const int64_t row_strides[] = {p.key_strides.token,
+                                 p.key_strides.head,
+                                 p.value_strides.token,
+                                 p.value_strides.head,
+                                 p.k_cache_strides.block,
+                                 p.k_cache_strides.head,
+                                 p.k_cache_strides.offset,
+                                 p.v_cache_strides.block,
+                                 p.v_cache_strides.head,
+                                 p.v_cache_strides.offset,
+                                 p.head_dim,
+                                 p.head_dim_v};
   for (const int64_t stride : row_strides) {
     if (stride * p.element_size % 16 != 0) return false;
   }
-  for (const void* data : {p.key, p.value, static_cast<const void*>(p.k_cache), static_cast<const void*>(p.v_cache)}) {
+  for (const void* data :
+       {p.key, p.value, static_cast<const void*>(p.k_cache), static_cast<const void*>(p.v_cache)}) {
     if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
   }
   return true;
@@ -246,7 +279,8 @@ int64_t paged_attention_splits(const PagedAttentionParams& p, int num_sms) {
   return std::max<int64_t>(1, std::min(wanted, p.max_seq_len / 256));
 }
 
-cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms, cudaStream_t stream) {
+cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms,
+                                   cudaStream_t stream) {
   if (p.total_q == 0 || p.num_heads == 0) return cudaSuccess;
   const cudaError_t status = dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -256,23 +290,27 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms, c
     // loops over the tiles its row index selects.
     const int64_t group = p.num_heads / p.num_kv_heads;
     const int64_t max_row_tiles = ceil_div<int64_t>(p.max_queries_per_seq * group, kSimtRows);
-    const int64_t row_blocks = std::clamp<int64_t>(ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), column_blocks), 1,
-                                                   std::clamp<int64_t>(max_row_tiles, 1, 65535));
+    const int64_t row_blocks =
+        std::clamp<int64_t>(ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), column_blocks), 1,
+                            std::clamp<int64_t>(max_row_tiles, 1, 65535));
     const size_t shared = SimtTiles{p.head_dim, p.head_dim_v}.elements() * sizeof(acc_t);
     cudaError_t launched = cudaSuccess;
     dispatch_dim_chunks(std::max(p.head_dim, p.head_dim_v), [&](auto chunks) {
       auto* kernel = paged_attention_simt<scalar_t, decltype(chunks)::value>;
       if (shared > 48 * 1024) {
-        launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+        launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared));
         if (launched != cudaSuccess) return true;
       }
-      kernel<<<dim3(static_cast<unsigned>(column_blocks), static_cast<unsigned>(row_blocks)), kSimtThreads, shared,
-               stream>>>(p);
+      kernel<<<dim3(static_cast<unsigned>(column_blocks), static_cast<unsigned>(row_blocks)),
+               kSimtThreads, shared, stream>>>(p);
       launched = cudaGetLastError();
       return true;
     });
     if (launched != cudaSuccess || p.num_kv_splits == 1) return launched;
-    merge_splits_kernel<scalar_t><<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v, kCopyThreads), kCopyThreads, 0, stream>>>(p);
+    merge_splits_kernel<scalar_t>
+        <<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v, kCopyThreads), kCopyThreads, 0,
+           stream>>>(p);
     return cudaGetLastError();
   });
   return status;
@@ -282,7 +320,8 @@ cudaError_t launch_merge_attention_states(const MergeStatesParams& p, cudaStream
   if (p.rows == 0 || p.head_dim == 0) return cudaSuccess;
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    merge_states_kernel<scalar_t><<<stride_blocks(p.rows * p.head_dim, kCopyThreads), kCopyThreads, 0, stream>>>(p);
+    merge_states_kernel<scalar_t>
+        <<<stride_blocks(p.rows * p.head_dim, kCopyThreads), kCopyThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }

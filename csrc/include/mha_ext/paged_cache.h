@@ -32,7 +32,7 @@ MHA_EXT_HOST_DEVICE CacheSlot position_location(const int32_t* block_table, int6
 
 // Element offset of kv head `head`'s row at `location` in a cache with these strides.
 MHA_EXT_HOST_DEVICE int64_t cache_row_offset(const CacheStrides& strides, CacheSlot location,
-                                            int64_t head) {
+                                             int64_t head) {
   return location.block * strides.block + head * strides.head + location.offset * strides.offset;
 }
 
@@ -40,7 +40,7 @@ MHA_EXT_HOST_DEVICE int64_t cache_row_offset(const CacheStrides& strides, CacheS
 // num_queries (counted within the sequence) is token seq_len - num_queries + i, and sees the
 // keys up to itself (bottom-right alignment).
 MHA_EXT_HOST_DEVICE int64_t paged_query_position(int64_t seq_len, int64_t num_queries,
-                                                int64_t query) {
+                                                 int64_t query) {
   return seq_len - num_queries + query;
 }
 

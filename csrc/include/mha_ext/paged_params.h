@@ -21,10 +21,10 @@ struct TokenStrides {
 };
 
 struct PagedAppendParams {
-  const void* key = nullptr;    // [num_tokens, num_kv_heads, head_dim]
-  const void* value = nullptr;  // [num_tokens, num_kv_heads, head_dim_v]
-  void* k_cache = nullptr;      // [num_blocks, num_kv_heads, block_size, head_dim]
-  void* v_cache = nullptr;      // [num_blocks, num_kv_heads, block_size, head_dim_v]
+  const void* key = nullptr;              // [num_tokens, num_kv_heads, head_dim]
+  const void* value = nullptr;            // [num_tokens, num_kv_heads, head_dim_v]
+  void* k_cache = nullptr;                // [num_blocks, num_kv_heads, block_size, head_dim]
+  void* v_cache = nullptr;                // [num_blocks, num_kv_heads, block_size, head_dim_v]
   const int64_t* slot_mapping = nullptr;  // [num_tokens]; block * block_size + offset, -1 = skip
   int64_t num_tokens = 0;
   int64_t num_kv_heads = 0;
@@ -70,7 +70,6 @@ struct PagedAttentionParams {
   int64_t num_kv_splits = 1;
   void* partial_out = nullptr;
   void* partial_lse = nullptr;
-
 };
 
 struct MergeStatesParams {

@@ -19,8 +19,8 @@ struct Philox4x32 {
 
 MHA_EXT_BEGIN_ISA_NAMESPACE
 
-MHA_EXT_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
-                                             uint32_t c3, uint64_t key) {
+MHA_EXT_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                             uint64_t key) {
   // Round multipliers and Weyl key increments from the paper.
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
@@ -43,8 +43,8 @@ MHA_EXT_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t 
 // The four random words covering keys [col & ~3, (col & ~3) + 4) of one attention row.
 // Counter = (column group, row, head, batch): unique per element for any tensor with
 // fewer than 2^32 rows, heads and batches and 2^34 columns.
-MHA_EXT_HOST_DEVICE Philox4x32 dropout_bits(uint64_t seed, int64_t batch, int64_t head,
-                                            int64_t row, int64_t col) {
+MHA_EXT_HOST_DEVICE Philox4x32 dropout_bits(uint64_t seed, int64_t batch, int64_t head, int64_t row,
+                                            int64_t col) {
   return philox4x32_10(static_cast<uint32_t>(col >> 2), static_cast<uint32_t>(row),
                        static_cast<uint32_t>(head), static_cast<uint32_t>(batch), seed);
 }
