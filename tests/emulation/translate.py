@@ -2,9 +2,10 @@
 
 import re
 
-# kernel<<<grid, block, shared, stream>>>(args);  (the kernel may carry template arguments)
-# The config and arguments hold no ';', so a comment that shows a launch never matches.
-_LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(([^;]*?)\);")
+# kernel<<<grid, block, shared, stream>>>(args);  (the kernel may carry template arguments;
+# clang-format may break the line before the <<<). The config and arguments hold no ';', so
+# a comment that shows a launch never matches.
+_LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<([^;]*?)>>>\(([^;]*?)\);")
 _DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\(\d+\) unsigned char (\w+)\[\];")
 _MMA = re.compile(
     r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\..*?\);', re.DOTALL
