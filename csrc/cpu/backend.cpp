@@ -35,10 +35,6 @@ at::Tensor kept_workspace(Workspace slot, at::IntArrayRef shape, const at::Tenso
   return at::from_blob(buffer.data_ptr(), shape, options);
 }
 
-at::TensorOptions accumulate_options(const at::Tensor& like) {
-  return like.options().dtype(accumulate_dtype(like.scalar_type()));
-}
-
 }  // namespace
 
 Backend::AttentionForwardPlan Backend::plan(AttentionForwardParams& params,

@@ -50,7 +50,7 @@ Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
   AttentionBackwardPlan plan;
   params.num_kv_splits = 1;
   plan.grad_q_accum = at::zeros({1, params.batch, params.num_heads, params.seq_q, params.head_dim},
-                                like.options().dtype(accumulate_dtype(like.scalar_type())));
+                                accumulate_options(like));
   params.grad_q_accum = plan.grad_q_accum.data_ptr();
   return plan;
 }

@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
                                       window_left, window_right, bottom_right);
   call.out = empty_attention_output(q, call.params.head_dim_v);
   call.lse = at::empty({call.params.batch, call.params.num_heads, call.params.seq_q},
-                       q.options().dtype(accumulate_dtype(q.scalar_type())));
+                       accumulate_options(q));
   set_forward_outputs(call.params, call.out, call.lse);
   Backend::run(call.params, Backend::plan(call.params, q));
   return {call.out, call.lse};
@@ -249,8 +249,7 @@ inline void fill_backward_tensors(AttentionBackwardCall& call, const at::Tensor&
   call.grad_q = at::empty_like(q);
   call.grad_k = at::empty_like(k);
   call.grad_v = at::empty_like(v);
-  call.delta = at::empty({p.batch, p.num_heads, p.seq_q},
-                         q.options().dtype(accumulate_dtype(q.scalar_type())));
+  call.delta = at::empty({p.batch, p.num_heads, p.seq_q}, accumulate_options(q));
   call.lse_rows = lse.contiguous();
   if (grad_lse.has_value()) call.grad_lse_rows = grad_lse->contiguous();
   set_forward_outputs(p, out, call.lse_rows);

@@ -238,7 +238,7 @@ struct PagedAttentionTensors {
 
 inline PagedAttentionTensors allocate_paged_tensors(PagedAttentionParams& params,
                                                     const at::Tensor& q) {
-  const at::TensorOptions acc_options = q.options().dtype(accumulate_dtype(q.scalar_type()));
+  const at::TensorOptions acc_options = accumulate_options(q);
   PagedAttentionTensors t;
   t.out = at::empty({params.total_q, params.num_heads, params.head_dim_v}, q.options());
   t.lse = at::empty({params.total_q, params.num_heads}, acc_options);

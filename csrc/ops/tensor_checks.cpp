@@ -26,6 +26,10 @@ at::ScalarType accumulate_dtype(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+at::TensorOptions accumulate_options(const at::Tensor& like) {
+  return like.options().dtype(accumulate_dtype(like.scalar_type()));
+}
+
 void check_rank(const char* op, const at::Tensor& t, const char* name, int64_t dim,
                 const char* dims) {
   TORCH_CHECK(t.dim() == dim, op, name, " must be a ", dim, "-D tensor ", dims, ", got ", t.dim(),

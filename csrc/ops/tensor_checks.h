@@ -25,6 +25,9 @@ DType to_dtype(at::ScalarType dtype, const char* op, const char* name);
 // logsumexp outputs and of the kernels' workspaces.
 at::ScalarType accumulate_dtype(at::ScalarType dtype);
 
+// `like`'s options with its accumulation dtype: for logsumexp outputs and workspaces.
+at::TensorOptions accumulate_options(const at::Tensor& like);
+
 // `t` has `dim` dims (named by `dims`, e.g. "[num_tokens, num_kv_heads, head_dim]") and a
 // contiguous last dim. An empty tensor's strides are arbitrary (an empty gradient may come
 // broadcast), so they are not checked.
