@@ -10,20 +10,34 @@ TORCH_LIBRARY(mha_ext, m) {
   // [batch, heads, seq_q, seq_k]. Keys outside [i + off - window_left, i + off + window_right]
   // are hidden (-1 = unbounded side; off = seq_k - seq_q if bottom_right else 0).
   // dropout_seed: one int64 seeding the counter-based dropout RNG (needed when dropout_p > 0).
+  // softcap > 0 caps each scaled score s to softcap * tanh(s / softcap); alibi_slopes [heads]
+  // or [batch, heads] add -slope * |i + off - j|; sinks [heads] join each row's softmax
+  // denominator (both fp32, fp64 for fp64 inputs). With cu_seqlens_q / cu_seqlens_k (int32,
+  // batch + 1) the call is packed: q [total_q, heads, head_dim], k/v [total_k, kv_heads, ...],
+  // sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1] (seqused_k[b] of its keys when
+  // given), max_seqlen_* bounding the lengths; out and lse are then [total_q, heads,
+  // head_dim_v] and [heads, total_q]. deterministic makes the backward reproducible.
   // Returns out [batch, heads, seq_q, head_dim_v] and the natural-log logsumexp
   // [batch, heads, seq_q] (fp32; fp64 for fp64 inputs).
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? dropout_seed, "
-      "float dropout_p, float scale, int window_left, int window_right, bool bottom_right) "
+      "float dropout_p, float scale, int window_left, int window_right, bool bottom_right, "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_k=None, "
+      "int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=False) "
       "-> (Tensor out, Tensor lse)");
 
   // Gradients of attention_forward from its saved out and lse (FlashAttention-2 recompute).
-  // grad_lse, when given, is the gradient reaching the logsumexp output.
+  // grad_lse, when given, is the gradient reaching the logsumexp output. grad_sinks is empty
+  // (shape [0]) without sinks.
   m.def(
       "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
       "Tensor out, Tensor lse, Tensor? attn_mask, Tensor? dropout_seed, float dropout_p, "
-      "float scale, int window_left, int window_right, bool bottom_right) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "float scale, int window_left, int window_right, bool bottom_right, "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_k=None, "
+      "int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=False) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
 
   // The keep-mask [batch, heads, seq_q, seq_k] (bool) that attention with this seed and
   // dropout_p applies: for tests and for inspecting dropout, not for the hot path.

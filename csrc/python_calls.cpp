@@ -33,20 +33,29 @@ std::string python_name(const char* op_name) {
 }
 
 // Positional arguments of one call of Op, read in order; the first bad one raises a TypeError
-// naming the op and the argument.
+// naming the op and the argument. Trailing arguments the schema gives defaults may be left
+// out, as torch.ops allows.
 template <typename Op>
 class Arguments {
  public:
-  Arguments(PyObject* const* args, Py_ssize_t count, Py_ssize_t expected) : args_(args) {
-    if (count != expected) {
+  Arguments(PyObject* const* args, Py_ssize_t count, Py_ssize_t expected)
+      : args_(args), count_(static_cast<size_t>(count)) {
+    const auto& arguments = op_handle<Op>().schema().arguments();
+    Py_ssize_t required = 0;
+    while (required < expected && !arguments[required].default_value().has_value()) ++required;
+    if (count < required || count > expected) {
       throw c10::TypeError({__func__, __FILE__, __LINE__},
-                           c10::str(python_name(Op::name), " takes ", expected,
+                           c10::str(python_name(Op::name), " takes ", required,
+                                    required < expected ? c10::str(" to ", expected) : "",
                                     " positional arguments, got ", count));
     }
   }
 
   template <typename T>
   T next() {
+    if (next_ >= count_) {
+      return op_handle<Op>().schema().arguments()[next_++].default_value()->template to<T>();
+    }
     PyObject* arg = args_[next_++];
     if constexpr (std::is_same_v<T, at::Tensor>) {
       if (!THPVariable_Check(arg)) throw wrong_type("a Tensor", arg);
@@ -81,6 +90,7 @@ class Arguments {
   }
 
   PyObject* const* args_;
+  size_t count_;
   size_t next_ = 0;
 };
 

@@ -15,6 +15,7 @@ from . import _C
 from .functional import (
     attention,
     attention_probs,
+    attention_varlen,
     draw_dropout_seed,
     dropout_mask,
     merge_attention_states,
@@ -36,6 +37,7 @@ __all__ = [
     "PagedKVCache",
     "attention",
     "attention_probs",
+    "attention_varlen",
     "build_info",
     "draw_dropout_seed",
     "dropout_mask",

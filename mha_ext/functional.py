@@ -61,6 +61,15 @@ def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
     return left, right, causal != "top_left"
 
 
+def _head_values(values: Optional[Tensor], q: Tensor, name: str, fn: str) -> Optional[Tensor]:
+    """alibi_slopes or sinks in the dtype the kernels read (fp32, fp64 for fp64 q)."""
+    if values is None:
+        return None
+    if not isinstance(values, Tensor) or not values.is_floating_point():
+        raise ValueError(f"{fn}: {name} must be a floating-point tensor, got {values!r}")
+    return values.to(ops.lse_dtype(q.dtype))
+
+
 def _attention_forward(
     q: Tensor,
     k: Tensor,
@@ -72,13 +81,29 @@ def _attention_forward(
     window_right: int,
     bottom_right: bool,
     fn: str,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    deterministic: Optional[bool] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of the forward op, with attention's checks and defaults applied."""
     if attn_mask is not None and attn_mask.requires_grad:
         raise ValueError(
             f"{fn}: attn_mask requires grad, but the fused kernels give the mask no gradient"
         )
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError(
+            f"{fn}: alibi_slopes requires grad, but the slopes get no gradient "
+            f"(as in FlashAttention)"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None
     return ops.attention_forward(
         q,
@@ -91,6 +116,15 @@ def _attention_forward(
         window_left,
         window_right,
         bottom_right,
+        float(softcap),
+        _head_values(alibi_slopes, q, "alibi_slopes", fn),
+        _head_values(sinks, q, "sinks", fn),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        bool(deterministic),
     )
 
 
@@ -105,6 +139,10 @@ def attention(
     attn_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    deterministic: Optional[bool] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Fused attention with the full feature set.
 
@@ -124,6 +162,14 @@ def attention(
             from a seed taken from torch's generator, see draw_dropout_seed).
         return_lse: also return the natural-log logsumexp of the scores, (B, H, Sq) in fp32
             (fp64 for fp64 inputs); -inf for rows that see no key, whose output is 0.
+        softcap: > 0 replaces each scaled score s by softcap * tanh(s / softcap) before the
+            bias and the masks (Gemma 2's logit softcap).
+        alibi_slopes: (H,) or (B, H): adds -slope * |i' - j| to the score of query i and key
+            j, i' as for window (ALiBi, FlashAttention's convention). No gradient.
+        sinks: (H,) attention-sink logits: each joins its head's softmax denominators
+            without a value (gpt-oss); lse includes it, and it gets a gradient.
+        deterministic: bitwise reproducible gradients (on CPU also across thread counts);
+            None follows torch.are_deterministic_algorithms_enabled().
 
     Returns:
         out (B, H, Sq, Dv) in q's dtype and memory order, or (out, lse).
@@ -131,7 +177,84 @@ def attention(
     fn = "mha_ext.attention"
     window_left, window_right, bottom_right = _window_bounds(causal, window, fn)
     out, lse = _attention_forward(
-        q, k, v, attn_mask, dropout_p, scale, window_left, window_right, bottom_right, fn
+        q,
+        k,
+        v,
+        attn_mask,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        fn,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        deterministic=deterministic,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    seqused_k: Optional[Tensor] = None,
+    deterministic: Optional[bool] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention over packed sequences of different lengths, with no padding anywhere.
+
+    Args:
+        q: (total_q, H, D), the queries of all sequences one after another; k: (total_k,
+            Hkv, D), v: (total_k, Hkv, Dv) likewise.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets: sequence b owns q rows
+            [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and k/v rows [cu_seqlens_k[b],
+            cu_seqlens_k[b + 1]). Sequences of length 0 are allowed.
+        max_seqlen_q, max_seqlen_k: the longest query and key lengths (bounds the kernels
+            plan with; a longer sequence is an error).
+        seqused_k: (batch,) int32: sequence b attends to only its first seqused_k[b] keys.
+        The other arguments as in attention, applied to each sequence alone (the causal
+        diagonal and ALiBi distances per sequence; alibi_slopes (H,) or (batch, H)).
+
+    Returns:
+        out (total_q, H, Dv), or (out, lse) with lse (H, total_q) fp32 (fp64 for fp64), as
+        FlashAttention's varlen functions return it. Differentiable in q, k, v and sinks.
+    """
+    fn = "mha_ext.attention_varlen"
+    window_left, window_right, bottom_right = _window_bounds(causal, window, fn)
+    out, lse = _attention_forward(
+        q,
+        k,
+        v,
+        None,
+        dropout_p,
+        scale,
+        window_left,
+        window_right,
+        bottom_right,
+        fn,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        deterministic=deterministic,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
     return (out, lse) if return_lse else out
 

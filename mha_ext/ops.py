@@ -41,6 +41,15 @@ def attention_forward(
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Fused attention; returns (out, lse). See csrc/ops.cpp for the argument contract."""
     args = (
@@ -54,8 +63,18 @@ def attention_forward(
         window_left,
         window_right,
         bottom_right,
+        softcap,
+        alibi_slopes,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        deterministic,
     )
-    if calls_directly((q, k, v, attn_mask, dropout_seed)):
+    tensors = (q, k, v, attn_mask, dropout_seed, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
+    if calls_directly(tensors + (seqused_k,)):
         return _C.attention_forward(*args)
     return _ops.attention_forward.default(*args)
 
@@ -68,31 +87,11 @@ def attention_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    attn_mask: Optional[Tensor],
-    dropout_seed: Optional[Tensor],
-    dropout_p: float,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients (grad_q, grad_k, grad_v) of attention_forward from its saved out and lse."""
-    return _ops.attention_backward.default(
-        grad_out,
-        grad_lse,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        dropout_seed,
-        dropout_p,
-        scale,
-        window_left,
-        window_right,
-        bottom_right,
-    )
+    *options,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (grad_q, grad_k, grad_v, grad_sinks) of attention_forward from its saved out
+    and lse; `options` are attention_forward's arguments after v."""
+    return _ops.attention_backward.default(grad_out, grad_lse, q, k, v, out, lse, *options)
 
 
 def dropout_mask(
@@ -136,17 +135,24 @@ def merge_attention_states(
     return _ops.merge_attention_states.default(out_a, lse_a, out_b, lse_b)
 
 
+# attention_forward's options after v, as csrc/ops.cpp orders them: sinks is the 13th
+# argument, the 10th option.
+SINKS_OPTION = 9
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The logsumexp dtype of attention on `dtype` inputs: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("mha_ext::attention_forward")
-def _attention_forward_fake(
-    q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right
-):
-    batch, heads, seq_q, _ = q.shape
+def _attention_forward_fake(q, k, v, *options):
     head_dim_v = v.shape[-1]
+    if q.dim() == 3:  # packed: (total_q, heads, head_dim), lse (heads, total_q)
+        total_q, heads, _ = q.shape
+        out = q.new_empty(total_q, heads, head_dim_v)
+        return out, q.new_empty(heads, total_q, dtype=lse_dtype(q.dtype))
+    batch, heads, seq_q, _ = q.shape
     # Same layout rule as empty_attention_output in csrc/ops/attention.h: the output
     # keeps q's memory order, so (B, S, H, D) views stay views through the op.
     if q.stride(1) < q.stride(2):
@@ -157,8 +163,10 @@ def _attention_forward_fake(
 
 
 @torch.library.register_fake("mha_ext::attention_backward")
-def _attention_backward_fake(grad_out, grad_lse, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, *options):
+    sinks = options[SINKS_OPTION] if len(options) > SINKS_OPTION else None
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else lse.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grad_sinks
 
 
 @torch.library.register_fake("mha_ext::dropout_mask")

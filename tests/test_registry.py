@@ -250,10 +250,16 @@ def test_direct_entry_points_match_the_schemas(op):
     direct = getattr(mha_ext._C, op)
     schema = getattr(torch.ops.mha_ext, op).default._schema
     arguments, _ = schema_types(op)
-    with pytest.raises(
-        TypeError, match=rf"mha_ext.{op} takes {len(arguments)} positional arguments, got 0"
-    ):
+    required = sum(1 for argument in schema.arguments if not argument.has_default_value())
+    count = str(required) if required == len(arguments) else f"{required} to {len(arguments)}"
+    with pytest.raises(TypeError, match=rf"mha_ext.{op} takes {count} positional arguments, got 0"):
         direct()
+    # Left-out trailing arguments take the schema's defaults.
+    if required < len(arguments):
+        with pytest.raises(
+            TypeError, match=rf"mha_ext.{op} takes {count} positional arguments, got {required - 1}"
+        ):
+            direct(*[VALID[t] for t in arguments[: required - 1]])
     # Each position reads the schema's type under the schema's name: a wrong value there is
     # refused by name, after every earlier position accepted a value of its schema type.
     for position, (argument, type_name) in enumerate(zip(schema.arguments, arguments)):

@@ -8,6 +8,7 @@
 
 #include "cpu/kernels/kernels.h"
 #include "mha_ext/philox.h"
+#include "mha_ext/sequences.h"
 #include "ops/tensor_checks.h"
 
 namespace mha_ext::cpu {
@@ -37,42 +38,67 @@ at::Tensor kept_workspace(Workspace slot, at::IntArrayRef shape, const at::Tenso
 
 }  // namespace
 
+// The dense shape whose workspaces fit every kernel run of the call: the call itself, or
+// for a packed call its longest sequence as batch 1.
+AttentionForwardParams workspace_shape(const AttentionForwardParams& params) {
+  AttentionForwardParams shape = params;
+  if (params.varlen.cu_seqlens_q != nullptr) shape.batch = 1;
+  return shape;
+}
+
+// Runs the kernel on the call, or on each sequence of a packed call.
+template <typename Params, typename Kernel>
+void run_sequences(const Params& params, const Kernel& kernel) {
+  if (params.varlen.cu_seqlens_q == nullptr) return kernel(params);
+  for (int64_t sequence = 0; sequence < params.batch; ++sequence) {
+    kernel(sequence_params(params, sequence));
+  }
+}
+
 Backend::AttentionForwardPlan Backend::plan(AttentionForwardParams& params,
                                             const at::Tensor& like) {
   AttentionForwardPlan plan;
   if (params.dtype == DType::kBFloat16) {
-    plan.kv_pairs = kept_workspace(Workspace::kKvPairs, {kv_pairs_size(params)}, like.options());
+    plan.kv_pairs = kept_workspace(Workspace::kKvPairs, {kv_pairs_size(workspace_shape(params))},
+                                   like.options());
     plan.workspaces.kv_pairs = plan.kv_pairs.data_ptr();
   }
   return plan;
 }
 
 void Backend::run(const AttentionForwardParams& params, const AttentionForwardPlan& plan) {
-  MHA_EXT_RUN_CPU_KERNEL(attention_forward, params, plan.workspaces);
+  run_sequences(params, [&](const AttentionForwardParams& one) {
+    MHA_EXT_RUN_CPU_KERNEL(attention_forward, one, plan.workspaces);
+  });
 }
 
 Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
                                              const at::Tensor& like) {
-  const int64_t kv_tasks = std::max<int64_t>(params.batch * params.num_kv_heads, 1);
-  const int64_t key_blocks = std::max<int64_t>((params.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
-  params.num_kv_splits = std::min(key_blocks, (at::get_num_threads() + kv_tasks - 1) / kv_tasks);
+  const AttentionForwardParams shape = workspace_shape(params);
+  const int64_t kv_tasks = std::max<int64_t>(shape.batch * shape.num_kv_heads, 1);
+  const int64_t key_blocks = std::max<int64_t>((shape.seq_k + kKeyBlock - 1) / kKeyBlock, 1);
+  const int64_t threads = params.deterministic ? kDeterministicThreads : at::get_num_threads();
+  params.num_kv_splits = std::min(key_blocks, (threads + kv_tasks - 1) / kv_tasks);
   AttentionBackwardPlan plan;
   // Uncleared: the kernels write each element before they add to it.
-  plan.grad_q_accum = kept_workspace(
-      Workspace::kGradQAccum,
-      {params.num_kv_splits, params.batch, params.num_heads, params.seq_q, params.head_dim},
-      accumulate_options(like));
+  params.grad_q_accum_split_stride = lse_elements(params) * params.head_dim;
+  plan.grad_q_accum =
+      kept_workspace(Workspace::kGradQAccum,
+                     {params.num_kv_splits, params.grad_q_accum_split_stride},
+                     accumulate_options(like));
   params.grad_q_accum = plan.grad_q_accum.data_ptr();
   if (params.dtype == DType::kBFloat16) {
     plan.q_grad_out_transposed = kept_workspace(
-        Workspace::kTransposed, {q_grad_out_transposed_size(params)}, like.options());
+        Workspace::kTransposed, {q_grad_out_transposed_size(shape)}, like.options());
     plan.workspaces.q_grad_out_transposed = plan.q_grad_out_transposed.data_ptr();
   }
   return plan;
 }
 
 void Backend::run(const AttentionBackwardParams& params, const AttentionBackwardPlan& plan) {
-  MHA_EXT_RUN_CPU_KERNEL(attention_backward, params, plan.workspaces);
+  run_sequences(params, [&](const AttentionBackwardParams& one) {
+    MHA_EXT_RUN_CPU_KERNEL(attention_backward, one, plan.workspaces);
+  });
 }
 
 void Backend::run(const DropoutMaskParams& p) {

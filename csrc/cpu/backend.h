@@ -10,6 +10,9 @@
 
 namespace mha_ext::cpu {
 
+// Threads a deterministic backward plans its key splits for, whatever the thread count.
+constexpr int64_t kDeterministicThreads = 8;
+
 struct Backend {
   // The ops check index values on the host before the kernels trust them.
   static constexpr bool kIndicesOnHost = true;
@@ -17,12 +20,15 @@ struct Backend {
   // Plans own what only the CPU kernels read (the shared params hold the rest). Their
   // workspaces are borrowed from the calling thread's buffers: valid until that thread's
   // next op call, so a plan must not outlive its op.
+  // A packed (varlen) call runs its sequences one after another, each as a dense call of
+  // batch 1 (sequence_params) whose tasks spread over the threads; the workspaces are sized
+  // for the longest sequence.
   struct AttentionForwardPlan {
     at::Tensor kv_pairs;  // the bf16 kernel's packed K/V tiles; undefined for other dtypes
     AttentionWorkspaces workspaces;
   };
   struct AttentionBackwardPlan {
-    at::Tensor grad_q_accum;           // [num_kv_splits, batch, heads, seq_q, head_dim]
+    at::Tensor grad_q_accum;           // [num_kv_splits, lse's elements, head_dim]
     at::Tensor q_grad_out_transposed;  // the bf16 kernel's Q^T, dO^T; undefined otherwise
     AttentionWorkspaces workspaces;
   };
@@ -32,7 +38,9 @@ struct Backend {
   static void run(const AttentionForwardParams& params, const AttentionForwardPlan& plan);
 
   // Splits the key range across threads only when batch x kv_heads leaves threads idle: each
-  // split then sums its own dQ partials, added up at the end.
+  // split then sums its own dQ partials, added up at the end. A deterministic call splits as
+  // if the CPU had kDeterministicThreads threads, so that its sums do not depend on the
+  // thread count.
   static AttentionBackwardPlan plan(AttentionBackwardParams& params, const at::Tensor& like);
   static void run(const AttentionBackwardParams& params, const AttentionBackwardPlan& plan);
 

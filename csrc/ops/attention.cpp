@@ -40,12 +40,13 @@ template <typename... Options>
 struct AttentionAutograd<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                             const at::Tensor&, Options...)> {
   static_assert(std::is_same_v<AttentionBackwardOp::Signature,
-                               std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                               std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                                    const at::Tensor&, const std::optional<at::Tensor>&,
                                    const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const at::Tensor&, Options...)>,
                 "attention_backward must take (grad_out, grad_lse, q, k, v, out, lse) followed "
-                "by attention_forward's arguments after v");
+                "by attention_forward's arguments after v, and return the gradients of q, k, v "
+                "and sinks");
   static constexpr size_t kSavedBeforeOptions = 5;  // q, k, v, out, lse
 
   struct Node : torch::autograd::Function<Node> {
@@ -71,17 +72,34 @@ struct AttentionAutograd<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c
       if (grad_out.dim() > 0 && grad_out.stride(-1) != 1) grad_out = grad_out.contiguous();
       const std::optional<at::Tensor> grad_lse =
           grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-      auto [grad_q, grad_k, grad_v] = std::apply(
+      auto [grad_q, grad_k, grad_v, grad_sinks] = std::apply(
           [&](const auto&... options) {
             return op_handle<AttentionBackwardOp>().call(grad_out, grad_lse, saved[0], saved[1],
                                                          saved[2], saved[3], saved[4], options...);
           },
           restored_options(ctx, saved, std::index_sequence_for<Options...>{}));
       variable_list result = {grad_q, grad_k, grad_v};
-      result.resize(3 + sizeof...(Options));  // no gradient for the options
+      result.resize(3 + sizeof...(Options));  // no gradient for the other options
+      if (grad_sinks.numel() > 0) result[sinks_position()] = grad_sinks;
       return result;
     }
   };
+
+  // Where attention_forward takes sinks, the one option with a gradient.
+  static size_t sinks_position() {
+    static const size_t position =
+        *op_handle<AttentionForwardOp>().schema().argumentIndexWithName("sinks");
+    return position;
+  }
+
+  template <typename T>
+  static bool option_requires_grad(const T& option) {
+    if constexpr (kIsOptionalTensor<T>) {
+      return option.has_value() && option->requires_grad();
+    } else {
+      return false;
+    }
+  }
 
   template <typename T>
   static void save_option(AutogradContext* ctx, std::vector<at::Tensor>& saved, size_t position,
@@ -119,7 +137,8 @@ struct AttentionAutograd<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c
     // Without a gradient to record, skip building the graph node and its saved state: about
     // 2 us of a decode step's 7 us at (1, 1, 1, 64).
     const bool records_grad =
-        at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+        at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
+                                       v.requires_grad() || (option_requires_grad(options) || ...));
     if (!records_grad) {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       return op_handle<AttentionForwardOp>().call(q, k, v, options...);
