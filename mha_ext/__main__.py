@@ -1,10 +1,11 @@
 """python -m mha_ext: the main demonstration.
 
 Builds a small character-level transformer on mha_ext.MultiHeadAttention (grouped-query
-attention, causal), trains it for a few steps on the text that ships with the package,
-prints the loss, generates text from a batch of prompts through the paged KV cache, then
-times mha_ext's fused attention against torch SDPA and the textbook reference on a
-GPT-2-small-sized attention layer.
+attention, causal), trains it for a few steps on packed batches of documents of different
+lengths drawn from the text that ships with the package (no padding), prints the loss,
+generates text from a batch of prompts through the paged KV cache, then times mha_ext's
+fused attention against torch SDPA and the textbook reference on a GPT-2-small-sized
+attention layer.
 """
 
 import argparse
@@ -16,16 +17,35 @@ from torch import nn
 
 import mha_ext
 from mha_ext.bench import attention_case, report, roofline, run_case
-from mha_ext.models import CausalLM
+from mha_ext.models import CausalLM, pack_documents
 
 PROMPTS = ["Attention ", "The cache ", "A fused kernel "]
+# Document lengths are drawn uniformly from [MIN_DOCUMENT, context]: a spread of 8x at the
+# demo's context of 64, where a document of 8 characters still holds a word or two.
+MIN_DOCUMENT = 8
+
+
+def draw_documents(data, starts, tokens: int, context: int):
+    """Spans of the text, each starting at a word, of input lengths drawn from
+    [MIN_DOCUMENT, context] and `tokens` input tokens in all (the last one cut to fit). Each
+    span holds one token more than its input: the last input's next-token target."""
+    documents = []
+    while tokens > 0:
+        length = min(int(torch.randint(MIN_DOCUMENT, context + 1, ())), tokens)
+        start = int(starts[torch.randint(len(starts), ())])
+        documents.append(data[start : start + length + 1])
+        tokens -= length
+    return documents
 
 
 def train(steps: int, batch: int, context: int):
-    """Trains a CausalLM on the shipped text; returns (model, alphabet)."""
+    """Trains a CausalLM on packed documents of the shipped text, batch * context tokens a
+    step (as many as a (batch, context) window batch); returns (model, alphabet)."""
     text = resources.files("mha_ext").joinpath("data/attention.txt").read_text()
     alphabet = sorted(set(text))
     data = torch.tensor([alphabet.index(c) for c in text])
+    # Word starts with room for the longest document and its target.
+    starts = torch.tensor([i for i in range(len(text) - context) if i == 0 or text[i - 1] in " \n"])
     model = CausalLM(len(alphabet), context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     print(
@@ -33,18 +53,25 @@ def train(steps: int, batch: int, context: int):
         f"(2 layers, 4 query heads sharing 2 kv heads) on {len(text)} characters of shipped text"
     )
     start = time.perf_counter()
+    documents_seen = 0
     for step in range(1, steps + 1):
-        offsets = torch.randint(0, len(data) - context - 1, (batch,))
-        window = torch.stack([data[o : o + context + 1] for o in offsets])  # (B, T + 1)
-        logits = model(window[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+        documents = draw_documents(data, starts, batch * context, context)
+        documents_seen += len(documents)
+        tokens, cu_seqlens = pack_documents([d[:-1] for d in documents])  # (total,), (docs + 1,)
+        targets, _ = pack_documents([d[1:] for d in documents])  # (total,)
+        longest = max(len(d) for d in documents) - 1
+        logits = model.forward_packed(tokens, cu_seqlens, longest)  # (total, vocab)
+        loss = nn.functional.cross_entropy(logits, targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step == 1 or step % 10 == 0 or step == steps:
             print(f"  step {step:4d}  loss {loss.item():.3f}")
     elapsed = time.perf_counter() - start
-    print(f"  {steps * batch * context / elapsed:.0f} tokens/s of training")
+    print(
+        f"  {steps * batch * context / elapsed:.0f} tokens/s of training, packed: "
+        f"{documents_seen / steps:.1f} documents of {MIN_DOCUMENT} to {context} tokens a step"
+    )
     return model.eval(), alphabet
 
 

@@ -1,7 +1,7 @@
 """A small causal language model on MultiHeadAttention, trained by the demo, with greedy
 generation through a paged KV cache."""
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -24,9 +24,12 @@ class Block(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, d_model)
+    def forward(
+        self, x: Tensor, cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None
+    ) -> Tensor:
+        # (B, T, d_model), or packed (total_tokens, d_model) with cu_seqlens
         h = self.norm_attn(x)
-        x = x + self.attn(h, h, h, is_causal=True)
+        x = x + self.attn(h, h, h, is_causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return x + self.mlp(self.norm_mlp(x))
 
     def forward_paged(
@@ -67,6 +70,29 @@ class CausalLM(nn.Module):
         x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
+        return self.head(self.norm(x))
+
+    def forward_packed(
+        self, tokens: Tensor, cu_seqlens: Tensor, max_seqlen: Optional[int] = None
+    ) -> Tensor:
+        """(total_tokens,) ids of documents packed one after another (see pack_documents) ->
+        (total_tokens, vocab) logits; each document attends causally to itself alone and its
+        positions start at 0, as if it were run alone. No padding anywhere.
+
+        Args:
+            cu_seqlens: (documents + 1,) int32 offsets of the documents in tokens.
+            max_seqlen: the longest document (None: read from cu_seqlens); at most context.
+        """
+        if max_seqlen is None:
+            max_seqlen = int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+        if max_seqlen > self.context:
+            raise ValueError(
+                f"CausalLM.forward_packed: documents of up to {max_seqlen} tokens exceed the "
+                f"context {self.context} (the learned positions)"
+            )
+        x = self.token(tokens) + self.position(document_positions(cu_seqlens))
+        for block in self.blocks:
+            x = block(x, cu_seqlens, max_seqlen)
         return self.head(self.norm(x))
 
     def forward_paged(self, tokens: Tensor, cache: PagedKVCache, batch: CacheBatch) -> Tensor:
@@ -119,3 +145,23 @@ class CausalLM(nn.Module):
             if step + 1 < max_new_tokens:
                 batch = cache.prepare(seq_ids, [1] * len(prompts))
         return generated
+
+
+def pack_documents(documents: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Documents of any lengths (1-D tensors, empty allowed) -> (tokens (total,), cu_seqlens
+    (documents + 1,) int32): the layout of CausalLM.forward_packed and attention_varlen."""
+    if not documents or any(document.dim() != 1 for document in documents):
+        raise ValueError(
+            f"pack_documents: documents must be a non-empty sequence of 1-D tensors, got shapes "
+            f"{[tuple(document.shape) for document in documents]}"
+        )
+    lengths = torch.tensor([0] + [len(document) for document in documents])
+    cu_seqlens = lengths.cumsum(0).to(torch.int32).to(documents[0].device)
+    return torch.cat(list(documents)), cu_seqlens
+
+
+def document_positions(cu_seqlens: Tensor) -> Tensor:
+    """(total,) position of each packed token within its document: 0, 1, ... per document."""
+    lengths = cu_seqlens.diff().long()  # (documents,)
+    starts = cu_seqlens[:-1].long().repeat_interleave(lengths)  # (total,)
+    return torch.arange(starts.numel(), device=cu_seqlens.device) - starts

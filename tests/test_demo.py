@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mha_ext.__main__ import MIN_DOCUMENT, draw_documents
 from mha_ext.bench import roofline, suites
 from mha_ext.bench.roofline import cpu_cache_bytes
+from mha_ext.models import CausalLM, document_positions, pack_documents
 
 # Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
 pytestmark = pytest.mark.cpu_only
@@ -36,6 +38,47 @@ def test_demo_trains_generates_and_compares():
         "mha_ext / torch_sdpa" in result.stdout
         and "gpt2-small float32 S=256 causal" in result.stdout
     )
+
+
+def test_pack_documents_offsets_and_positions():
+    documents = [torch.tensor([4, 5, 6]), torch.tensor([], dtype=torch.int64), torch.tensor([7])]
+    tokens, cu_seqlens = pack_documents(documents)
+    assert tokens.tolist() == [4, 5, 6, 7]
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 3, 4]
+    assert document_positions(cu_seqlens).tolist() == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match=r"1-D tensors, got shapes \[\(2, 2\)\]"):
+        pack_documents([torch.zeros(2, 2)])
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        pack_documents([])
+
+
+def test_packed_language_model_equals_each_document_alone():
+    torch.manual_seed(0)
+    model = CausalLM(vocab_size=30, context=16).eval()
+    documents = [torch.randint(0, 30, (n,)) for n in (16, 3, 1, 9)]
+    tokens, cu_seqlens = pack_documents(documents)
+    logits = model.forward_packed(tokens, cu_seqlens)  # (29, 30)
+    assert logits.shape == (29, 30)
+    for document, rows in zip(documents, logits.split([16, 3, 1, 9])):
+        torch.testing.assert_close(rows, model(document[None])[0], rtol=1e-5, atol=1e-5)
+    too_long, offsets = pack_documents([torch.zeros(17, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="documents of up to 17 tokens exceed the context 16"):
+        model.forward_packed(too_long, offsets)
+
+
+def test_demo_documents_vary_and_fill_the_token_budget():
+    torch.manual_seed(0)
+    data = torch.arange(1000)
+    starts = torch.tensor([0, 100, 500, 900])
+    for _ in range(5):
+        documents = draw_documents(data, starts, 1024, 64)
+        inputs = [len(d) - 1 for d in documents]
+        assert sum(inputs) == 1024 and all(1 <= n <= 64 for n in inputs)
+        assert all(MIN_DOCUMENT <= n for n in inputs[:-1])  # only the last one is cut to fit
+        assert len(set(inputs)) > 5
+        for document in documents:  # a span of the text from one of the starts
+            assert document[0].item() in starts.tolist()
+            assert torch.equal(document, data[document[0] : document[0] + len(document)])
 
 
 def test_bench_suites_write_json_and_tables(tmp_path):
