@@ -104,25 +104,30 @@ __device__ __forceinline__ void load_tile(T* tile, int tile_rows, const T* src, 
 
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
-    attention_forward_mma(AttentionForwardParams p, const int64_t* seed) {
+    attention_forward_mma(AttentionForwardParams call, const int64_t* seed) {
   static_assert(kDim % 16 == 0 && kDim <= 256,
                 "tensor-core head dims are multiples of 16 up to 256");
   constexpr int kLd = kTileLd<kDim>;
   constexpr int kDimSteps = kDim / 16;     // k-steps of S = Q K^T
   constexpr int kDimFragments = kDim / 8;  // n-tiles of O
   extern __shared__ __align__(16) unsigned char shared_bytes[];
+  // The block's sequence as a batch-1 call; a packed call's grid covers its longest one.
+  AttentionForwardParams p = sequence_params(call, blockIdx.z);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  if (row0 >= p.seq_q) return;
   T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kMmaKeys, kLd]; first stages Q
   T* v_tile = k_tile + kMmaKeys * kLd;             // [kMmaKeys, kLd]
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int64_t batch = blockIdx.z, head = blockIdx.y;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t head = blockIdx.y;
   const int64_t kv_head = head / (p.num_heads / p.num_kv_heads);
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
+  const HeadScoreMods<float> mods = HeadScoreMods<float>::of(p, head);
+  const bool modified = mods.active();
+  const T* q = static_cast<const T*>(p.q) + head * p.q_strides.head;
+  const T* k = static_cast<const T*>(p.k) + kv_head * p.k_strides.head;
+  const T* v = static_cast<const T*>(p.v) + kv_head * p.v_strides.head;
 
   // Q fragments of the warp's 16 rows, staged through the K tile.
   load_tile<T, kDim>(k_tile, kMmaRows, q, p.q_strides.row, row0, p.seq_q);
@@ -167,7 +172,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
 
-    // Scale, then the window / mask / sequence end per element where the tile needs it.
+    // Scale, softcap and ALiBi, then the window / mask / sequence end per element where the
+    // tile needs them.
     const bool whole_tile_visible = p.mask.kind == MaskKind::kNone && key0 + kMmaKeys <= p.seq_k &&
                                     visible_keys(p.window, row0, p.seq_k).end >= key0 + kMmaKeys &&
                                     visible_keys(p.window, last_row, p.seq_k).begin <= key0;
@@ -177,10 +183,11 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int e = 0; e < 4; ++e) {
         const int64_t col = key0 + n * 8 + 2 * t + (e & 1);
         float score = s[n][e] * scale;
+        if (modified) score = mods.apply(score, rows[e / 2], col);
         // Rows past seq_q are never stored; they must not read the mask either.
         if (!whole_tile_visible) {
-          score = rows[e / 2] < p.seq_q ? masked_score<T>(score, p, batch, head, rows[e / 2], col)
-                                        : -INFINITY;
+          score =
+              rows[e / 2] < p.seq_q ? masked_score<T>(score, p, head, rows[e / 2], col) : -INFINITY;
         }
         s[n][e] = score;
       }
@@ -224,7 +231,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         const int64_t col = key0 + n * 8 + 2 * t;  // even: col and col + 1 share a word group
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const Philox4x32 bits = dropout_bits(p.dropout.seed, batch, head, rows[r], col);
+          const Philox4x32 bits = sequence_dropout_bits(p.dropout, head, rows[r], col);
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const bool kept = dropout_word_kept(p.dropout, bits.word[(col & 3) + i]);
@@ -253,22 +260,23 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
   }
 
-  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
-  float* lse = static_cast<float*>(p.lse) + (batch * p.num_heads + head) * p.seq_q;
+  T* out = static_cast<T*>(p.out) + head * p.out_strides.head;
+  float* lse = static_cast<float*>(p.lse) + head * p.lse_head_stride;
+  const float sink = sink_logit<float>(p.sinks, head);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float total = row_sum[r];
     total += __shfl_xor_sync(kFullMask, total, 1);
     total += __shfl_xor_sync(kFullMask, total, 2);
     if (rows[r] >= p.seq_q) continue;
-    const float inv_sum = total == 0.f ? 0.f : 1.f / total;
+    const RowFinish<float> row = finish_row(row_max[r], total, sink);
     T* out_row = out + rows[r] * p.out_strides.row + 2 * t;
 #pragma unroll
     for (int f = 0; f < kDimFragments; ++f) {
-      store_as(out_row + f * 8, o_acc[f][2 * r] * inv_sum);
-      store_as(out_row + f * 8 + 1, o_acc[f][2 * r + 1] * inv_sum);
+      store_as(out_row + f * 8, o_acc[f][2 * r] * row.out_factor);
+      store_as(out_row + f * 8 + 1, o_acc[f][2 * r + 1] * row.out_factor);
     }
-    if (t == 0) lse[rows[r]] = total == 0.f ? -INFINITY : row_max[r] + logf(total);
+    if (t == 0) lse[rows[r]] = row.lse;
   }
 }
 
@@ -278,7 +286,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 // the saved logsumexp, dP^T = V dO^T and dS^T; then accumulates dV += P^T dO and
 // dK += dS^T Q in registers (P^T and dS^T feed the MMAs straight from their C fragments),
 // and leaves dS in shared memory for dQ = dS K, which the warps add into the fp32
-// workspace with atomics.
+// workspace with atomics (not in a deterministic backward, whose dQ has its own pass).
 constexpr int kBwdKeys = 16 * kMmaWarps;  // keys per block
 constexpr int kBwdRows = 32;              // query rows per tile
 constexpr int kBwdFragments = kBwdRows / 8;
@@ -290,11 +298,14 @@ constexpr size_t kBwdSharedBytes = (2 * kBwdKeys + 2 * kBwdRows) * kTileLd<kDim>
 
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
-    attention_backward_mma(AttentionBackwardParams p, const int64_t* seed) {
+    attention_backward_mma(AttentionBackwardParams call, const int64_t* seed) {
   constexpr int kLd = kTileLd<kDim>;
   constexpr int kDimSteps = kDim / 16;
   constexpr int kDimFragments = kDim / 8;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
+  AttentionBackwardParams p = sequence_params(call, blockIdx.z);
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBwdKeys;
+  if (key0 >= p.seq_k) return;                     // past the block's sequence's keys
   T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kBwdKeys, kLd]
   T* v_tile = k_tile + kBwdKeys * kLd;             // [kBwdKeys, kLd]
   T* q_tile = v_tile + kBwdKeys * kLd;             // [kBwdRows, kLd]
@@ -305,22 +316,17 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int64_t batch = blockIdx.z, kv_head = blockIdx.y;
-  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBwdKeys;
+  const int64_t kv_head = blockIdx.y;
   const int64_t keys = min(static_cast<int64_t>(kBwdKeys), p.seq_k - key0);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const float scale = static_cast<float>(p.scale);
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
   const float keep_scale = static_cast<float>(p.dropout.keep_scale);
 
-  load_tile<T, kDim>(
-      k_tile, kBwdKeys,
-      static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head,
-      p.k_strides.row, key0, p.seq_k);
-  load_tile<T, kDim>(
-      v_tile, kBwdKeys,
-      static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head,
-      p.v_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(k_tile, kBwdKeys, static_cast<const T*>(p.k) + kv_head * p.k_strides.head,
+                     p.k_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(v_tile, kBwdKeys, static_cast<const T*>(p.v) + kv_head * p.v_strides.head,
+                     p.v_strides.row, key0, p.seq_k);
 
   // This thread's keys in the C fragments of S^T: r = 0 is key g of the warp's 16, r = 1 key g + 8.
   const int warp_key = warp * 16;
@@ -330,21 +336,19 @@ __global__ void __launch_bounds__(kMmaThreads)
   const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + keys, p.seq_q);
 
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-    const int64_t bh = batch * p.num_heads + head;
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-    const T* grad_out = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                        head * p.grad_out_strides.head;
-    float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
+    const HeadScoreMods<float> mods = HeadScoreMods<float>::of(p, head);
+    const float* lse = static_cast<const float*>(p.lse) + head * p.lse_head_stride;
+    const float* delta = static_cast<const float*>(p.delta) + head * p.lse_head_stride;
+    const T* q = static_cast<const T*>(p.q) + head * p.q_strides.head;
+    const T* grad_out = static_cast<const T*>(p.grad_out) + head * p.grad_out_strides.head;
     for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBwdRows) {
       __syncthreads();  // the previous tile's Q, dO and dS are no longer read (K, V complete)
       load_tile<T, kDim>(q_tile, kBwdRows, q, p.q_strides.row, row0, p.seq_q);
       load_tile<T, kDim>(do_tile, kBwdRows, grad_out, p.grad_out_strides.row, row0, p.seq_q);
       if (threadIdx.x < kBwdRows) {
         const int64_t row = row0 + threadIdx.x;
-        lse_rows[threadIdx.x] =
-            row < p.seq_q ? static_cast<const float*>(p.lse)[bh * p.seq_q + row] : -INFINITY;
-        delta_rows[threadIdx.x] =
-            row < p.seq_q ? static_cast<const float*>(p.delta)[bh * p.seq_q + row] : 0.f;
+        lse_rows[threadIdx.x] = row < p.seq_q ? lse[row] : -INFINITY;
+        delta_rows[threadIdx.x] = row < p.seq_q ? delta[row] : 0.f;
       }
       __syncthreads();
 
@@ -372,7 +376,8 @@ __global__ void __launch_bounds__(kMmaThreads)
         }
       }
 
-      // P^T = exp(S^T - lse) (dropped where dropout drops), dS^T = P^T * (dP^T dropped - delta).
+      // P^T = exp(S^T - lse) (dropped where dropout drops), dS^T = P^T * (dP^T dropped - delta)
+      // times the softcap's derivative.
 #pragma unroll
       for (int n = 0; n < kBwdFragments; ++n) {
 #pragma unroll
@@ -382,18 +387,19 @@ __global__ void __launch_bounds__(kMmaThreads)
           float prob = 0.f, grad_score = 0.f, prob_dropped = 0.f;
           // Rows past seq_q have lse -inf; keys past seq_k are hidden by masked_score.
           if (lse_rows[local_row] != -INFINITY) {
-            const float score = masked_score<T>(s[n][e] * scale, p, batch, head, row, key);
+            const float capped = mods.capped(s[n][e] * scale);
+            const float score = masked_score<T>(capped + mods.bias(row, key), p, head, row, key);
             prob = __expf(score - lse_rows[local_row]);
             float grad_prob = dp[n][e];
             prob_dropped = prob;
-            if (p.dropout.enabled && !dropout_keeps(p.dropout, batch, head, row, key)) {
+            if (p.dropout.enabled && !sequence_dropout_keeps(p.dropout, head, row, key)) {
               prob_dropped = 0.f;
               grad_prob = 0.f;
             } else if (p.dropout.enabled) {
               prob_dropped *= keep_scale;
               grad_prob *= keep_scale;
             }
-            grad_score = prob * (grad_prob - delta_rows[local_row]);
+            grad_score = prob * (grad_prob - delta_rows[local_row]) * mods.cap_derivative(capped);
           }
           s[n][e] = prob_dropped;
           dp[n][e] = grad_score;
@@ -424,7 +430,11 @@ __global__ void __launch_bounds__(kMmaThreads)
           mma_16x8x16(grad_k[f], a_ds, b_q, T{});
         }
       }
+      // A deterministic backward leaves dQ to its own pass (attention.cu).
+      if (p.deterministic) continue;
       __syncthreads();  // dS complete
+      float* grad_q_accum =
+          static_cast<float*>(p.grad_q_accum) + head * p.lse_head_stride * p.head_dim;
 
       // dQ += dS K (scaled when dQ is cast): warp w takes rows 16 (w % 2) .. + 15 and head dims
       // kDim / 2 * (w / 2) .. + kDim / 2 - 1, over the block's 64 keys.
@@ -458,10 +468,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 
   // dK = dS^T (scale Q): the scale applied once here.
-  T* grad_k_out =
-      static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + kv_head * p.grad_k_strides.head;
-  T* grad_v_out =
-      static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + kv_head * p.grad_v_strides.head;
+  T* grad_k_out = static_cast<T*>(p.grad_k) + kv_head * p.grad_k_strides.head;
+  T* grad_v_out = static_cast<T*>(p.grad_v) + kv_head * p.grad_v_strides.head;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int64_t key = my_keys[e / 2];
