@@ -11,7 +11,8 @@
 // (32 keys, kv head, sequence) walks the query rows that see its keys, for every query head
 // of its GQA group, keeping dK and dV in registers and adding dQ into an fp32 workspace with
 // atomics; a last pass scales dQ and casts it. A deterministic backward instead computes dQ
-// in a pass of its own (attention_grad_q_simt), one block per query rows, in a fixed order.
+// in a pass of its own (attention_grad_q_simt, or attention_grad_q_mma on the tensor cores),
+// one block per query rows, in a fixed order.
 #include <algorithm>
 
 #include "cuda/kernels/launch_helpers.h"
@@ -247,8 +248,10 @@ __global__ void __launch_bounds__(kSimtThreads)
       }
       __syncthreads();
 
-      // P = exp(S - lse) and dS = P * (dP * dropout - delta), lane = key.
-#pragma unroll
+      // P = exp(S - lse) and dS = P * (dP * dropout - delta), lane = key. Rolled, as is the dQ
+      // loop below: unrolled, the fp32 kernel of kDimChunks 2 spilled 108 bytes a thread
+      // (nvcc 13, sm_90, -Xptxas -v); rolled, none.
+#pragma unroll 1
       for (int i = 0; i < kSimtRowsPerWarp; ++i) {
         const int r = first_row + i;
         const int64_t row = row0 + r, key = key0 + lane;
@@ -289,7 +292,7 @@ __global__ void __launch_bounds__(kSimtThreads)
       // dQ += dS K for the warp's rows (scaled when dQ is cast, after all key blocks added).
       acc_t* grad_q_accum =
           static_cast<acc_t*>(p.grad_q_accum) + head * p.lse_head_stride * p.head_dim;
-#pragma unroll
+#pragma unroll 1
       for (int i = 0; i < kSimtRowsPerWarp; ++i) {
         const int r = first_row + i;
         if (r >= rows) continue;
@@ -336,7 +339,8 @@ struct SimtGradQTiles {
 
 // The deterministic backward's dQ: one block per (16 query rows, head, sequence) walks its
 // keys in order, as the forward does, recomputes dS and keeps dQ = scale * dS K in registers,
-// so no two blocks add into one row and the sum has one order. Used by both kernel families.
+// so no two blocks add into one row and the sum has one order. attention_grad_q_mma is its
+// tensor-core version.
 template <typename scalar_t, int kDimChunks>
 __global__ void __launch_bounds__(kSimtThreads)
     attention_grad_q_simt(AttentionBackwardParams call, const int64_t* seed) {
@@ -566,8 +570,9 @@ cudaError_t launch_attention_backward(const AttentionBackwardParams& p, const in
   }
   if (!has_rows) return cudaSuccess;
   // Deterministic: dQ from its own pass, written once per row; else the atomics' sums, cast.
-  return p.deterministic ? grad_q_simt(p, seed, stream)
-                         : delta_and_grad_q_cast(p, stream, /*delta=*/false);
+  if (!p.deterministic) return delta_and_grad_q_cast(p, stream, /*delta=*/false);
+  const bool done = choice.allow_tensor_cores && tensor_core_grad_q(p, seed, stream);
+  return done ? cudaGetLastError() : grad_q_simt(p, seed, stream);
 }
 
 }  // namespace mha_ext::cuda

@@ -19,4 +19,9 @@ bool tensor_core_forward(const AttentionForwardParams& params, const int64_t* se
 bool tensor_core_backward(const AttentionBackwardParams& params, const int64_t* seed,
                           cudaStream_t stream);
 
+// The dQ pass of a deterministic backward (after delta): writes params.grad_q, each row
+// summed in one fixed order.
+bool tensor_core_grad_q(const AttentionBackwardParams& params, const int64_t* seed,
+                        cudaStream_t stream);
+
 }  // namespace mha_ext::cuda
