@@ -4,12 +4,13 @@ race check. Every other test file also runs on CUDA through the `device` fixture
 
 import pytest
 import torch
+from feature_reference import featured_attention, featured_attention_varlen
 from test_attention import check_backward, check_forward, gradients, resolve
 
 import mha_ext
 from mha_ext.reference import attention_reference
 
-from conftest import OUTPUT_FACTOR, assert_within_rule, random_qkv, seeded_generator
+from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv, seeded_generator
 from test_paged import build_paged, make_cache
 
 pytestmark = pytest.mark.cuda_only
@@ -174,3 +175,165 @@ def test_repeated_runs_agree_race_check(dtype):
             grad_q_again, grad_q, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3
         )
         assert torch.equal(grad_k_again, grad_k) and torch.equal(grad_v_again, grad_v)
+
+
+def packed_case(seqlens_q, seqlens_k, heads, kv_heads, head_dim, dtype, seed=0):
+    """Packed q, k, v and their cu_seqlens for the given lengths."""
+    generator = seeded_generator(seed)
+    q = torch.randn(sum(seqlens_q), heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(sum(seqlens_k), kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(sum(seqlens_k), kv_heads, head_dim, generator=generator).to(dtype)
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        for lens in (seqlens_q, seqlens_k)
+    )
+    return q, k, v, cu_q, cu_k
+
+
+def check_with_features(call, reference, inputs, grad_out, grad_lse):
+    """call(*leaves) -> (out, lse) of mha_ext; reference(*leaves) -> featured_attention's. The
+    accuracy rule for out and the gradients of every input (q, k, v, sinks)."""
+    results = {}
+    for name, fn, cast in (
+        ("kernel", call, lambda t: t),
+        ("float64", reference, lambda t: t.double()),
+        ("plain", reference, lambda t: t),
+    ):
+        leaves = [cast(t).detach().clone().requires_grad_() for t in inputs]
+        out, lse = fn(*leaves)
+        finite = torch.isfinite(lse)
+        grads = torch.autograd.grad(
+            (out, lse[finite]), leaves, (grad_out.to(out.dtype), grad_lse[finite].to(lse.dtype))
+        )
+        results[name] = (out.detach(), lse.detach(), grads)
+    out, lse, grads = results["kernel"]
+    ref_out, ref_lse, ref_grads = results["float64"]
+    plain_out, _, plain_grads = results["plain"]
+    assert_within_rule(out, ref_out, plain_out, OUTPUT_FACTOR, "output")
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "lse -inf rows"
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
+    for name, grad, ref, plain in zip(["q", "k", "v", "sinks"], grads, ref_grads, plain_grads):
+        assert_within_rule(grad, ref, plain, GRAD_FACTOR, f"grad_{name}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+def test_packed_sequences_with_softcap_alibi_and_sinks(
+    kernels, dtype, head_dim, deterministic, monkeypatch
+):
+    # GQA, a bottom-right window, a sequence without queries, one whose queries see no key
+    # (seqused_k 0), sequences longer than a row tile, per-sequence ALiBi slopes.
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    seqlens_q, seqlens_k, used_k = (
+        [300, 0, 129, 17, 64],
+        [280, 40, 400, 30, 64],
+        [280, 40, 333, 0, 64],
+    )
+    heads, kv_heads = 8, 2
+    q, k, v, cu_q, cu_k = packed_case(seqlens_q, seqlens_k, heads, kv_heads, head_dim, dtype)
+    generator = seeded_generator(5)
+    slopes = 0.2 * torch.rand(len(seqlens_q), heads, generator=generator)
+    sinks = torch.randn(heads, generator=generator)
+    seqused_k = torch.tensor(used_k, dtype=torch.int32)
+    options = dict(window=(150, 7), softcap=8.0)
+    grad_out = torch.randn(q.shape, generator=generator).to(dtype)
+    grad_lse = torch.randn(heads, q.shape[0], generator=generator)
+
+    def call(q, k, v, sinks):
+        return mha_ext.attention_varlen(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max(seqlens_q),
+            max(seqlens_k),
+            alibi_slopes=slopes,
+            sinks=sinks,
+            seqused_k=seqused_k,
+            return_lse=True,
+            deterministic=deterministic,
+            **options,
+        )
+
+    def reference(q, k, v, sinks):
+        return featured_attention_varlen(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            seqused_k,
+            bottom_right=True,
+            alibi_slopes=slopes.to(q.dtype),
+            sinks=sinks,
+            **options,
+        )
+
+    check_with_features(call, reference, (q, k, v, sinks), grad_out, grad_lse)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+def test_dense_softcap_alibi_and_sinks(kernels, monkeypatch):
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v = random_qkv(2, 8, 2, 150, 333, 128, dtype=torch.bfloat16)
+    generator = seeded_generator(6)
+    slopes = 0.1 * torch.rand(8, generator=generator)
+    sinks = torch.randn(8, generator=generator)
+    grad_out = torch.randn(q.shape, generator=generator).to(q.dtype)
+    grad_lse = torch.randn(q.shape[:3], generator=generator)
+
+    def call(q, k, v, sinks):
+        return mha_ext.attention(
+            q,
+            k,
+            v,
+            causal="bottom_right",
+            softcap=10.0,
+            alibi_slopes=slopes,
+            sinks=sinks,
+            return_lse=True,
+        )
+
+    def reference(q, k, v, sinks):
+        return featured_attention(
+            q,
+            k,
+            v,
+            window=(-1, 0),
+            bottom_right=True,
+            softcap=10.0,
+            alibi_slopes=slopes.to(q.dtype),
+            sinks=sinks,
+        )
+
+    check_with_features(call, reference, (q, k, v, sinks), grad_out, grad_lse)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("layout", ["dense", "packed"])
+def test_deterministic_gradients_are_bitwise_equal_race_check(kernels, layout, monkeypatch):
+    # Many key blocks add into each dQ row with atomics unless deterministic=True.
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    if layout == "dense":
+        q, k, v = random_qkv(2, 8, 2, 257, 1025, 128, dtype=torch.bfloat16)
+
+        def fn(*t):
+            return mha_ext.attention(*t, causal="bottom_right", softcap=20.0, deterministic=True)
+    else:
+        q, k, v, cu_q, cu_k = packed_case([500, 3, 700], [900, 1, 1024], 8, 2, 128, torch.bfloat16)
+
+        def fn(*t):
+            return mha_ext.attention_varlen(
+                *t, cu_q, cu_k, 700, 1024, causal="bottom_right", deterministic=True
+            )
+
+    grad_out = torch.randn(q.shape, dtype=q.dtype)
+    out, grads = gradients(fn, (q, k, v), grad_out)
+    for _ in range(10):
+        out_again, grads_again = gradients(fn, (q, k, v), grad_out)
+        assert torch.equal(out_again, out)
+        for a, b in zip(grads_again, grads):
+            assert torch.equal(a, b)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from feature_reference import featured_attention, featured_attention_varlen
 
 import mha_ext  # noqa: F401  (loads torch.ops.mha_ext, the CPU side of every comparison)
 from mha_ext.reference import attention_reference
@@ -72,17 +73,56 @@ MASKINGS = {
 }
 
 
-def run_both(emulated, q, k, v, mask=None, seed=None, dropout_p=0.0, masking="none"):
-    """Forward and backward through the emulated CUDA ops and the CPU ops, same inputs."""
-    window = MASKINGS[masking]
-    args = (
+def op_args(
+    head_dim,
+    *,
+    mask=None,
+    seed=None,
+    dropout_p=0.0,
+    window=(-1, -1),
+    bottom_right=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    seqused_k=None,
+    max_seqlen_q=0,
+    max_seqlen_k=0,
+    deterministic=False,
+):
+    """The arguments after q, k, v of attention_forward (and after lse of attention_backward),
+    in schema order: the emulated ops are plain functions without defaults."""
+    return (
         mask,
         seed,
         dropout_p,
-        q.shape[-1] ** -0.5,
-        window["window_left"],
-        window["window_right"],
-        window["bottom_right"],
+        head_dim**-0.5,
+        window[0],
+        window[1],
+        bottom_right,
+        softcap,
+        alibi_slopes,
+        sinks,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        deterministic,
+    )
+
+
+def run_both(emulated, q, k, v, mask=None, seed=None, dropout_p=0.0, masking="none"):
+    """Forward and backward through the emulated CUDA ops and the CPU ops, same inputs."""
+    window = MASKINGS[masking]
+    args = op_args(
+        q.shape[-1],
+        mask=mask,
+        seed=seed,
+        dropout_p=dropout_p,
+        window=(window["window_left"], window["window_right"]),
+        bottom_right=window["bottom_right"],
     )
     grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=seeded_generator(3)).to(q.dtype)
     results = {}
@@ -91,7 +131,7 @@ def run_both(emulated, q, k, v, mask=None, seed=None, dropout_p=0.0, masking="no
         ("cpu", torch.ops.mha_ext.attention_forward, torch.ops.mha_ext.attention_backward),
     ):
         out, lse = forward(q, k, v, *args)
-        grads = backward(grad_out, None, q, k, v, out, lse, *args)
+        grads = backward(grad_out, None, q, k, v, out, lse, *args)[:3]
         results[name] = (out, lse, *grads)
     return results
 
@@ -240,3 +280,210 @@ def test_paged_mqa_groups_wider_than_a_row_tile(emulated, block_size):
     )
     torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+# Issue 29's features against featured_attention in float64. GQA (4 query heads on 2 kv
+# heads) and a two-sided bottom-right window throughout; head dim 64 takes the tensor-core
+# kernels under "auto" for fp16/bf16. The packed layout has a sequence without queries
+# (1), one whose queries see no key (3: seqused_k 0) and rows longer than one 64-row tile.
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+WINDOW = (20, 3)
+SEQLENS_Q, SEQLENS_K, SEQUSED_K = [37, 0, 70, 9], [50, 12, 64, 20], [45, 12, 64, 0]
+FEATURES = {
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi=True),
+    "sinks": dict(sinks=True),
+    "all": dict(softcap=1.5, alibi=True, sinks=True),
+}
+
+
+def feature_case(feature, dtype, layout, seed=0):
+    """q, k, v, the op options (op_args keywords) and the reference's options."""
+    generator = seeded_generator(seed)
+    batch = len(SEQLENS_Q)
+    if layout == "varlen":
+        total_q, total_k = sum(SEQLENS_Q), sum(SEQLENS_K)
+        q = torch.randn(total_q, HEADS, HEAD_DIM, generator=generator).to(dtype)
+        k = torch.randn(total_k, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        v = torch.randn(total_k, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+        cu_q, cu_k = (
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+            for lens in (SEQLENS_Q, SEQLENS_K)
+        )
+        options = dict(
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            seqused_k=torch.tensor(SEQUSED_K, dtype=torch.int32),
+            max_seqlen_q=max(SEQLENS_Q),
+            max_seqlen_k=max(SEQLENS_K),
+        )
+    else:
+        q, k, v = random_qkv(2, HEADS, KV_HEADS, 40, 70, HEAD_DIM, dtype=dtype, seed=seed)
+        batch, options = 2, {}
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    wanted = FEATURES[feature]
+    options.update(window=WINDOW, bottom_right=True, softcap=wanted.get("softcap", 0.0))
+    if wanted.get("alibi"):
+        # Per-sequence slopes for the packed call, one per head for the dense one.
+        shape = (batch, HEADS) if layout == "varlen" else (HEADS,)
+        options["alibi_slopes"] = (0.3 * torch.rand(shape, generator=generator)).to(accumulate)
+    if wanted.get("sinks"):
+        options["sinks"] = torch.randn(HEADS, generator=generator).to(accumulate)
+    return q, k, v, options
+
+
+def reference_of(q, k, v, options, dropout_keep=None, dropout_p=0.0):
+    """(out, lse) of featured_attention(_varlen) for the op options."""
+    reference = dict(
+        window=options["window"],
+        bottom_right=options["bottom_right"],
+        softcap=options["softcap"],
+        alibi_slopes=options.get("alibi_slopes"),
+        sinks=options.get("sinks"),
+        dropout_keep=dropout_keep,
+        dropout_p=dropout_p,
+    )
+    if "cu_seqlens_q" in options:
+        return featured_attention_varlen(
+            q,
+            k,
+            v,
+            options["cu_seqlens_q"],
+            options["cu_seqlens_k"],
+            options["seqused_k"],
+            **reference,
+        )
+    return featured_attention(q, k, v, **reference)
+
+
+def emulated_call(emulated, q, k, v, options, grad_out, grad_lse):
+    """out, lse, grad_q, grad_k, grad_v, grad_sinks of the emulated forward and backward."""
+    args = op_args(q.shape[-1], **options)
+    out, lse = emulated.attention_forward(q, k, v, *args)
+    grads = emulated.attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+    return (out, lse, *grads)
+
+
+def check_against_reference(results, q, k, v, options, grad_out, grad_lse, **dropout):
+    """The accuracy rule for out and every gradient (sinks' included), lse to fp32 rounding."""
+    out, lse, grad_q, grad_k, grad_v, grad_sinks = results
+    leaves = {"q": q, "k": k, "v": v}
+    if options.get("sinks") is not None:
+        leaves["sinks"] = options["sinks"]
+    expected = {}
+    for precision in ("float64", "plain"):
+        inputs = {
+            name: (t.double() if precision == "float64" else t).detach().clone().requires_grad_()
+            for name, t in leaves.items()
+        }
+        run_options = {**options, "sinks": inputs.get("sinks")}
+        if precision == "float64" and run_options.get("alibi_slopes") is not None:
+            run_options["alibi_slopes"] = run_options["alibi_slopes"].double()
+        ref_out, ref_lse = reference_of(
+            inputs["q"], inputs["k"], inputs["v"], run_options, **dropout
+        )
+        finite = torch.isfinite(ref_lse)
+        ref_grads = torch.autograd.grad(
+            (ref_out, ref_lse[finite]),
+            list(inputs.values()),
+            (grad_out.to(ref_out.dtype), grad_lse[finite].to(ref_lse.dtype)),
+        )
+        expected[precision] = (ref_out.detach(), ref_lse.detach(), dict(zip(inputs, ref_grads)))
+    (ref_out, ref_lse, ref_grads), (plain_out, _, plain_grads) = (
+        expected["float64"],
+        expected["plain"],
+    )
+    assert_within_rule(out, ref_out, plain_out, OUTPUT_FACTOR, "output")
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "lse -inf rows"
+    torch.testing.assert_close(lse, ref_lse.to(lse.dtype), rtol=1e-5, atol=1e-5)
+    got = {"q": grad_q, "k": grad_k, "v": grad_v, "sinks": grad_sinks}
+    for name in leaves:
+        assert got[name].shape == leaves[name].shape, name
+        assert_within_rule(
+            got[name], ref_grads[name], plain_grads[name], GRAD_FACTOR, f"grad_{name}"
+        )
+
+
+def random_grads(q, v, lse_shape, seed=3):
+    generator = seeded_generator(seed)
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=generator).to(q.dtype)
+    grad_lse = torch.randn(lse_shape, generator=generator)
+    return grad_out, grad_lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def lse_shape_of(q):
+    return (q.shape[1], q.shape[0]) if q.dim() == 3 else q.shape[:3]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_score_features_match_the_float64_reference(
+    emulated, kernels, layout, feature, monkeypatch
+):
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v, options = feature_case(feature, torch.bfloat16, layout)
+    grad_out, grad_lse = random_grads(q, v, lse_shape_of(q))
+    results = emulated_call(emulated, q, k, v, options, grad_out, grad_lse)
+    check_against_reference(results, q, k, v, options, grad_out, grad_lse)
+
+
+@pytest.mark.parametrize(
+    "dtype, kernels",
+    [(torch.float16, "auto"), (torch.float32, "auto"), (torch.float64, "auto")],
+    ids=["fp16-tensor-cores", "fp32-simt", "fp64-simt"],
+)
+def test_all_features_packed_in_every_dtype(emulated, dtype, kernels, monkeypatch):
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v, options = feature_case("all", dtype, "varlen", seed=1)
+    grad_out, grad_lse = random_grads(q, v, lse_shape_of(q))
+    results = emulated_call(emulated, q, k, v, options, grad_out, grad_lse)
+    check_against_reference(results, q, k, v, options, grad_out, grad_lse)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+def test_packed_dropout_draws_each_sequence_as_its_batch_entry(emulated, kernels, monkeypatch):
+    # Sequence b of a packed call drops what dropout_mask's batch entry b keeps, cut to its
+    # lengths (DropoutParams::batch_offset).
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v, options = feature_case("all", torch.bfloat16, "varlen", seed=2)
+    seed, dropout_p = torch.tensor([77], dtype=torch.int64), 0.25
+    options.update(seed=seed, dropout_p=dropout_p)
+    keep = emulated.dropout_mask(
+        seed, len(SEQLENS_Q), HEADS, max(SEQLENS_Q), max(SEQLENS_K), dropout_p
+    )
+    grad_out, grad_lse = random_grads(q, v, lse_shape_of(q))
+    results = emulated_call(emulated, q, k, v, options, grad_out, grad_lse)
+    reference_options = {
+        name: options[name] for name in options if name not in ("seed", "dropout_p")
+    }
+    check_against_reference(
+        results,
+        q,
+        k,
+        v,
+        reference_options,
+        grad_out,
+        grad_lse,
+        dropout_keep=keep,
+        dropout_p=dropout_p,
+    )
+
+
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+def test_deterministic_backward_is_bitwise_repeatable(emulated, kernels, monkeypatch):
+    # The emulator runs blocks in one order, so repeatability here shows only that the
+    # deterministic path computes dQ without the shared workspace; the GPU run
+    # (test_cuda.py) checks it against real concurrency.
+    monkeypatch.setenv("MHA_EXT_CUDA_KERNELS", kernels)
+    q, k, v, options = feature_case("all", torch.bfloat16, "varlen", seed=3)
+    grad_out, grad_lse = random_grads(q, v, lse_shape_of(q))
+    first = emulated_call(emulated, q, k, v, {**options, "deterministic": True}, grad_out, grad_lse)
+    second = emulated_call(
+        emulated, q, k, v, {**options, "deterministic": True}, grad_out, grad_lse
+    )
+    for a, b, name in zip(first, second, ["out", "lse", "dq", "dk", "dv", "dsinks"]):
+        assert torch.equal(a, b), name
+    check_against_reference(first, q, k, v, options, grad_out, grad_lse)
+    atomic = emulated_call(emulated, q, k, v, options, grad_out, grad_lse)
+    torch.testing.assert_close(first[2].float(), atomic[2].float(), rtol=1e-2, atol=1e-2)

@@ -29,9 +29,13 @@ Problem make_problem(const benchmark::State& state) {
   p.q = random({batch, heads, seq, head_dim}, dtype);
   p.k = random({batch, kv_heads, seq, head_dim}, dtype);
   p.v = random({batch, kv_heads, seq, head_dim}, dtype);
-  p.params = make_attention_params(p.q, p.k, p.v, std::nullopt, std::nullopt, 0.0,
-                                   1.0 / std::sqrt(static_cast<double>(head_dim)), -1,
-                                   causal ? 0 : -1, true);
+  p.params = make_attention_params(
+      p.q, p.k, p.v, /*attn_mask=*/std::nullopt, /*dropout_seed=*/std::nullopt,
+      /*dropout_p=*/0.0, 1.0 / std::sqrt(static_cast<double>(head_dim)), /*window_left=*/-1,
+      /*window_right=*/causal ? 0 : -1, /*bottom_right=*/true, /*softcap=*/0.0,
+      /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, /*cu_seqlens_q=*/std::nullopt,
+      /*cu_seqlens_k=*/std::nullopt, /*seqused_k=*/std::nullopt, /*max_seqlen_q=*/0,
+      /*max_seqlen_k=*/0, cpu::Backend::kIndicesOnHost);
   p.out = at::empty_like(p.q);
   p.lse = at::empty({batch, heads, seq}, at::kFloat);
   set_forward_outputs(p.params, p.out, p.lse);

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "cuda/kernels/launchers.h"
+#include "mha_ext/sequences.h"
 #include "ops/tensor_checks.h"
 
 namespace mha_ext::cuda {
@@ -49,8 +50,11 @@ Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
                                              const at::Tensor& like) {
   AttentionBackwardPlan plan;
   params.num_kv_splits = 1;
-  plan.grad_q_accum = at::zeros({1, params.batch, params.num_heads, params.seq_q, params.head_dim},
-                                accumulate_options(like));
+  // A deterministic backward writes dQ from a pass of its own and needs no partial sums.
+  if (params.deterministic) return plan;
+  params.grad_q_accum_split_stride = lse_elements(params) * params.head_dim;
+  plan.grad_q_accum =
+      at::zeros({params.num_kv_splits, params.grad_q_accum_split_stride}, accumulate_options(like));
   params.grad_q_accum = plan.grad_q_accum.data_ptr();
   return plan;
 }

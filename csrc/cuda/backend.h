@@ -26,7 +26,9 @@ struct Backend {
 
   struct NoPlan {};
   struct AttentionBackwardPlan {
-    at::Tensor grad_q_accum;  // zero-filled [1, batch, heads, seq_q, head_dim]: atomics add dQ
+    // Zero-filled [1, lse_elements * head_dim] (the lse layout's rows of head_dim): atomics
+    // add dQ; undefined for a deterministic backward.
+    at::Tensor grad_q_accum;
   };
 
   static NoPlan plan(AttentionForwardParams& params, const at::Tensor& like);

@@ -65,25 +65,12 @@ void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, in
   }
 
   if (p.mods.softcap > 0.0) {
-    const acc_t cap = static_cast<acc_t>(p.mods.softcap), inverse_cap = acc_t(1) / cap;
-    at::vec::map([cap, inverse_cap](Vec x) { return (x * Vec(inverse_cap)).tanh() * Vec(cap); },
-                 s + begin, s + begin, end - begin);
-    if (softcap_grad != nullptr) {
-      at::vec::map(
-          [inverse_cap](Vec capped) {
-            const Vec t = capped * Vec(inverse_cap);
-            return Vec(acc_t(1)) - t * t;
-          },
-          softcap_grad + begin, s + begin, end - begin);
-    }
+    softcap_row(s + begin, end - begin, static_cast<acc_t>(p.mods.softcap),
+                softcap_grad == nullptr ? nullptr : softcap_grad + begin);
   }
   if (p.mods.alibi_slopes != nullptr) {
-    // -slope * |row + offset - key|, the distance counted down from the tile's first key
-    const acc_t slope = alibi_slope<acc_t>(p.mods, batch, head);
-    const acc_t first_distance = static_cast<acc_t>(row + p.window.diagonal_offset - key0);
-    for (int64_t c = begin; c < end; ++c) {
-      s[c] -= slope * std::abs(first_distance - static_cast<acc_t>(c));
-    }
+    alibi_row(s + begin, end - begin, alibi_slope<acc_t>(p.mods, batch, head),
+              static_cast<acc_t>(row + p.window.diagonal_offset - key0 - begin));
   }
 
   const AttnMaskParams& mask = p.mask;

@@ -180,6 +180,73 @@ C10_ALWAYS_INLINE void softmax_exp2s_avx2(__m256 (&y)[kCount]) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 2^n for integer-valued n (|n| <= 126): VSCALEFPS, or n + 127 shifted into the exponent field.
+inline at::vec::Vectorized<float> exp2_of_integer(const at::vec::Vectorized<float>& n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(_mm512_set1_ps(1.f), n);
+#else
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+#endif
+}
+
+// tanh(y) for y >= 0 (NaN passes) as m / (m + 2) with m = e^(2y) - 1 = 2^z - 1, z = 2y log2(e)
+// = n + f: m = 2^n (2^f - 1) + (2^n - 1), and 2^f - 1 = f Q(f) from the softmax's polynomial
+// (kExp2Polynomial), so nothing cancels near 0 and the result is within a few ulp. z is
+// capped at 64, where tanh is 1 in fp32. at::vec's tanh (SLEEF) made the softcap cost 1.4x
+// the whole fp32 forward; this one costs about what the softmax's exp does.
+inline at::vec::Vectorized<float> tanh_of_nonnegative(const at::vec::Vectorized<float>& y) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec z = at::vec::minimum(Vec(64.f), y * Vec(static_cast<float>(2.0 * kLog2e)));
+  const Vec n = z.round();
+  const Vec f = z - n;
+  Vec poly(kExp2Polynomial[0]);
+  for (int k = 1; k < 5; ++k) poly = at::vec::fmadd(poly, f, Vec(kExp2Polynomial[k]));
+  const Vec power = exp2_of_integer(n);
+  const Vec m = at::vec::fmadd(power, f * poly, power - Vec(1.f));
+  return m / (m + Vec(2.f));
+}
+#endif
+
+// s = cap * tanh(s / cap) over a row in place; derivative, where given, gets
+// d capped / d s = 1 - tanh^2 for each column.
+template <typename acc_t>
+void softcap_row(acc_t* s, int64_t cols, acc_t cap, acc_t* derivative) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec inverse_cap(acc_t(1) / cap);
+  for (int64_t c = 0; c < cols; c += Vec::size()) {
+    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), cols - c));
+    const Vec y = Vec::loadu(s + c, count) * inverse_cap;
+    Vec t;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      t = tanh_of_nonnegative(y.abs());
+      t = Vec::blendv(t, Vec(0.f) - t, y < Vec(0.f));
+    } else {
+      t = y.tanh();
+    }
+#else
+    t = y.tanh();
+#endif
+    (t * Vec(cap)).store(s + c, count);
+    if (derivative != nullptr) (Vec(acc_t(1)) - t * t).store(derivative + c, count);
+  }
+}
+
+// s[c] -= slope * |first_distance - c| over a row: the ALiBi bias of keys whose distance to the
+// query's diagonal counts down from first_distance.
+template <typename acc_t>
+void alibi_row(acc_t* s, int64_t cols, acc_t slope, acc_t first_distance) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec step(static_cast<acc_t>(Vec::size()));
+  Vec distance = Vec(first_distance) - Vec::arange(acc_t(0), acc_t(1));
+  for (int64_t c = 0; c < cols; c += Vec::size(), distance = distance - step) {
+    const int count = static_cast<int>(std::min<int64_t>(Vec::size(), cols - c));
+    at::vec::fnmadd(Vec(slope), distance.abs(), Vec::loadu(s + c, count)).store(s + c, count);
+  }
+}
+
 // Horizontal max and sum of one vector: the AVX2 / AVX-512 fp32 vectors' own shuffle
 // reductions, at::vec's generic one elsewhere (the generic reduce_add member does not compile).
 template <typename acc_t>

@@ -102,40 +102,52 @@ __device__ __forceinline__ void load_tile(T* tile, int tile_rows, const T* src, 
   }
 }
 
+// A fragments of 16 rows x kDim of a staged tile, one per k-step of 16 dims: `rows` points at
+// element (g, 2t) of the 16 rows.
+template <typename T, int kDim>
+__device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[kDim / 16][4], const T* rows) {
+  constexpr int kLd = kTileLd<kDim>;
+#pragma unroll
+  for (int step = 0; step < kDim / 16; ++step) {
+    frag[step][0] = load_pair(rows + step * 16);
+    frag[step][1] = load_pair(rows + 8 * kLd + step * 16);
+    frag[step][2] = load_pair(rows + step * 16 + 8);
+    frag[step][3] = load_pair(rows + 8 * kLd + step * 16 + 8);
+  }
+}
+
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
-    attention_forward_mma(AttentionForwardParams p, const int64_t* seed) {
+    attention_forward_mma(AttentionForwardParams call, const int64_t* seed) {
   static_assert(kDim % 16 == 0 && kDim <= 256,
                 "tensor-core head dims are multiples of 16 up to 256");
   constexpr int kLd = kTileLd<kDim>;
   constexpr int kDimSteps = kDim / 16;     // k-steps of S = Q K^T
   constexpr int kDimFragments = kDim / 8;  // n-tiles of O
   extern __shared__ __align__(16) unsigned char shared_bytes[];
+  // The block's sequence as a batch-1 call; a packed call's grid covers its longest one.
+  AttentionForwardParams p = sequence_params(call, blockIdx.z);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  if (row0 >= p.seq_q) return;
   T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kMmaKeys, kLd]; first stages Q
   T* v_tile = k_tile + kMmaKeys * kLd;             // [kMmaKeys, kLd]
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int64_t batch = blockIdx.z, head = blockIdx.y;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t head = blockIdx.y;
   const int64_t kv_head = head / (p.num_heads / p.num_kv_heads);
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
-  const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-  const T* k = static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head;
-  const T* v = static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head;
+  const HeadScoreMods<float> mods = HeadScoreMods<float>::of(p, head);
+  const bool modified = mods.active();
+  const T* q = static_cast<const T*>(p.q) + head * p.q_strides.head;
+  const T* k = static_cast<const T*>(p.k) + kv_head * p.k_strides.head;
+  const T* v = static_cast<const T*>(p.v) + kv_head * p.v_strides.head;
 
   // Q fragments of the warp's 16 rows, staged through the K tile.
   load_tile<T, kDim>(k_tile, kMmaRows, q, p.q_strides.row, row0, p.seq_q);
   __syncthreads();
   uint32_t q_frag[kDimSteps][4];
-  const T* q_rows = k_tile + (warp * 16 + g) * kLd + 2 * t;
-#pragma unroll
-  for (int step = 0; step < kDimSteps; ++step) {
-    q_frag[step][0] = load_pair(q_rows + step * 16);
-    q_frag[step][1] = load_pair(q_rows + 8 * kLd + step * 16);
-    q_frag[step][2] = load_pair(q_rows + step * 16 + 8);
-    q_frag[step][3] = load_pair(q_rows + 8 * kLd + step * 16 + 8);
-  }
+  load_a_fragments<T, kDim>(q_frag, k_tile + (warp * 16 + g) * kLd + 2 * t);
 
   // This thread's two rows: r = 0 is row g of the warp's 16, r = 1 row g + 8.
   const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
@@ -167,7 +179,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
 
-    // Scale, then the window / mask / sequence end per element where the tile needs it.
+    // Scale, softcap and ALiBi, then the window / mask / sequence end per element where the
+    // tile needs them.
     const bool whole_tile_visible = p.mask.kind == MaskKind::kNone && key0 + kMmaKeys <= p.seq_k &&
                                     visible_keys(p.window, row0, p.seq_k).end >= key0 + kMmaKeys &&
                                     visible_keys(p.window, last_row, p.seq_k).begin <= key0;
@@ -177,10 +190,11 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int e = 0; e < 4; ++e) {
         const int64_t col = key0 + n * 8 + 2 * t + (e & 1);
         float score = s[n][e] * scale;
+        if (modified) score = mods.apply(score, rows[e / 2], col);
         // Rows past seq_q are never stored; they must not read the mask either.
         if (!whole_tile_visible) {
-          score = rows[e / 2] < p.seq_q ? masked_score<T>(score, p, batch, head, rows[e / 2], col)
-                                        : -INFINITY;
+          score =
+              rows[e / 2] < p.seq_q ? masked_score<T>(score, p, head, rows[e / 2], col) : -INFINITY;
         }
         s[n][e] = score;
       }
@@ -224,7 +238,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         const int64_t col = key0 + n * 8 + 2 * t;  // even: col and col + 1 share a word group
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const Philox4x32 bits = dropout_bits(p.dropout.seed, batch, head, rows[r], col);
+          const Philox4x32 bits = sequence_dropout_bits(p.dropout, head, rows[r], col);
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const bool kept = dropout_word_kept(p.dropout, bits.word[(col & 3) + i]);
@@ -253,22 +267,23 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
   }
 
-  T* out = static_cast<T*>(p.out) + batch * p.out_strides.batch + head * p.out_strides.head;
-  float* lse = static_cast<float*>(p.lse) + (batch * p.num_heads + head) * p.seq_q;
+  T* out = static_cast<T*>(p.out) + head * p.out_strides.head;
+  float* lse = static_cast<float*>(p.lse) + head * p.lse_head_stride;
+  const float sink = sink_logit<float>(p.sinks, head);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float total = row_sum[r];
     total += __shfl_xor_sync(kFullMask, total, 1);
     total += __shfl_xor_sync(kFullMask, total, 2);
     if (rows[r] >= p.seq_q) continue;
-    const float inv_sum = total == 0.f ? 0.f : 1.f / total;
+    const RowFinish<float> row = finish_row(row_max[r], total, sink);
     T* out_row = out + rows[r] * p.out_strides.row + 2 * t;
 #pragma unroll
     for (int f = 0; f < kDimFragments; ++f) {
-      store_as(out_row + f * 8, o_acc[f][2 * r] * inv_sum);
-      store_as(out_row + f * 8 + 1, o_acc[f][2 * r + 1] * inv_sum);
+      store_as(out_row + f * 8, o_acc[f][2 * r] * row.out_factor);
+      store_as(out_row + f * 8 + 1, o_acc[f][2 * r + 1] * row.out_factor);
     }
-    if (t == 0) lse[rows[r]] = total == 0.f ? -INFINITY : row_max[r] + logf(total);
+    if (t == 0) lse[rows[r]] = row.lse;
   }
 }
 
@@ -278,7 +293,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 // the saved logsumexp, dP^T = V dO^T and dS^T; then accumulates dV += P^T dO and
 // dK += dS^T Q in registers (P^T and dS^T feed the MMAs straight from their C fragments),
 // and leaves dS in shared memory for dQ = dS K, which the warps add into the fp32
-// workspace with atomics.
+// workspace with atomics (not in a deterministic backward, whose dQ has its own pass).
 constexpr int kBwdKeys = 16 * kMmaWarps;  // keys per block
 constexpr int kBwdRows = 32;              // query rows per tile
 constexpr int kBwdFragments = kBwdRows / 8;
@@ -290,11 +305,14 @@ constexpr size_t kBwdSharedBytes = (2 * kBwdKeys + 2 * kBwdRows) * kTileLd<kDim>
 
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
-    attention_backward_mma(AttentionBackwardParams p, const int64_t* seed) {
+    attention_backward_mma(AttentionBackwardParams call, const int64_t* seed) {
   constexpr int kLd = kTileLd<kDim>;
   constexpr int kDimSteps = kDim / 16;
   constexpr int kDimFragments = kDim / 8;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
+  AttentionBackwardParams p = sequence_params(call, blockIdx.z);
+  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBwdKeys;
+  if (key0 >= p.seq_k) return;                     // past the block's sequence's keys
   T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kBwdKeys, kLd]
   T* v_tile = k_tile + kBwdKeys * kLd;             // [kBwdKeys, kLd]
   T* q_tile = v_tile + kBwdKeys * kLd;             // [kBwdRows, kLd]
@@ -305,22 +323,17 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int64_t batch = blockIdx.z, kv_head = blockIdx.y;
-  const int64_t key0 = static_cast<int64_t>(blockIdx.x) * kBwdKeys;
+  const int64_t kv_head = blockIdx.y;
   const int64_t keys = min(static_cast<int64_t>(kBwdKeys), p.seq_k - key0);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const float scale = static_cast<float>(p.scale);
   if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
   const float keep_scale = static_cast<float>(p.dropout.keep_scale);
 
-  load_tile<T, kDim>(
-      k_tile, kBwdKeys,
-      static_cast<const T*>(p.k) + batch * p.k_strides.batch + kv_head * p.k_strides.head,
-      p.k_strides.row, key0, p.seq_k);
-  load_tile<T, kDim>(
-      v_tile, kBwdKeys,
-      static_cast<const T*>(p.v) + batch * p.v_strides.batch + kv_head * p.v_strides.head,
-      p.v_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(k_tile, kBwdKeys, static_cast<const T*>(p.k) + kv_head * p.k_strides.head,
+                     p.k_strides.row, key0, p.seq_k);
+  load_tile<T, kDim>(v_tile, kBwdKeys, static_cast<const T*>(p.v) + kv_head * p.v_strides.head,
+                     p.v_strides.row, key0, p.seq_k);
 
   // This thread's keys in the C fragments of S^T: r = 0 is key g of the warp's 16, r = 1 key g + 8.
   const int warp_key = warp * 16;
@@ -330,21 +343,19 @@ __global__ void __launch_bounds__(kMmaThreads)
   const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + keys, p.seq_q);
 
   for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-    const int64_t bh = batch * p.num_heads + head;
-    const T* q = static_cast<const T*>(p.q) + batch * p.q_strides.batch + head * p.q_strides.head;
-    const T* grad_out = static_cast<const T*>(p.grad_out) + batch * p.grad_out_strides.batch +
-                        head * p.grad_out_strides.head;
-    float* grad_q_accum = static_cast<float*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
+    const HeadScoreMods<float> mods = HeadScoreMods<float>::of(p, head);
+    const float* lse = static_cast<const float*>(p.lse) + head * p.lse_head_stride;
+    const float* delta = static_cast<const float*>(p.delta) + head * p.lse_head_stride;
+    const T* q = static_cast<const T*>(p.q) + head * p.q_strides.head;
+    const T* grad_out = static_cast<const T*>(p.grad_out) + head * p.grad_out_strides.head;
     for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kBwdRows) {
       __syncthreads();  // the previous tile's Q, dO and dS are no longer read (K, V complete)
       load_tile<T, kDim>(q_tile, kBwdRows, q, p.q_strides.row, row0, p.seq_q);
       load_tile<T, kDim>(do_tile, kBwdRows, grad_out, p.grad_out_strides.row, row0, p.seq_q);
       if (threadIdx.x < kBwdRows) {
         const int64_t row = row0 + threadIdx.x;
-        lse_rows[threadIdx.x] =
-            row < p.seq_q ? static_cast<const float*>(p.lse)[bh * p.seq_q + row] : -INFINITY;
-        delta_rows[threadIdx.x] =
-            row < p.seq_q ? static_cast<const float*>(p.delta)[bh * p.seq_q + row] : 0.f;
+        lse_rows[threadIdx.x] = row < p.seq_q ? lse[row] : -INFINITY;
+        delta_rows[threadIdx.x] = row < p.seq_q ? delta[row] : 0.f;
       }
       __syncthreads();
 
@@ -372,7 +383,8 @@ __global__ void __launch_bounds__(kMmaThreads)
         }
       }
 
-      // P^T = exp(S^T - lse) (dropped where dropout drops), dS^T = P^T * (dP^T dropped - delta).
+      // P^T = exp(S^T - lse) (dropped where dropout drops), dS^T = P^T * (dP^T dropped - delta)
+      // times the softcap's derivative.
 #pragma unroll
       for (int n = 0; n < kBwdFragments; ++n) {
 #pragma unroll
@@ -382,18 +394,19 @@ __global__ void __launch_bounds__(kMmaThreads)
           float prob = 0.f, grad_score = 0.f, prob_dropped = 0.f;
           // Rows past seq_q have lse -inf; keys past seq_k are hidden by masked_score.
           if (lse_rows[local_row] != -INFINITY) {
-            const float score = masked_score<T>(s[n][e] * scale, p, batch, head, row, key);
+            const float capped = mods.capped(s[n][e] * scale);
+            const float score = masked_score<T>(capped + mods.bias(row, key), p, head, row, key);
             prob = __expf(score - lse_rows[local_row]);
             float grad_prob = dp[n][e];
             prob_dropped = prob;
-            if (p.dropout.enabled && !dropout_keeps(p.dropout, batch, head, row, key)) {
+            if (p.dropout.enabled && !sequence_dropout_keeps(p.dropout, head, row, key)) {
               prob_dropped = 0.f;
               grad_prob = 0.f;
             } else if (p.dropout.enabled) {
               prob_dropped *= keep_scale;
               grad_prob *= keep_scale;
             }
-            grad_score = prob * (grad_prob - delta_rows[local_row]);
+            grad_score = prob * (grad_prob - delta_rows[local_row]) * mods.cap_derivative(capped);
           }
           s[n][e] = prob_dropped;
           dp[n][e] = grad_score;
@@ -424,7 +437,11 @@ __global__ void __launch_bounds__(kMmaThreads)
           mma_16x8x16(grad_k[f], a_ds, b_q, T{});
         }
       }
+      // A deterministic backward leaves dQ to its own pass (attention.cu).
+      if (p.deterministic) continue;
       __syncthreads();  // dS complete
+      float* grad_q_accum =
+          static_cast<float*>(p.grad_q_accum) + head * p.lse_head_stride * p.head_dim;
 
       // dQ += dS K (scaled when dQ is cast): warp w takes rows 16 (w % 2) .. + 15 and head dims
       // kDim / 2 * (w / 2) .. + kDim / 2 - 1, over the block's 64 keys.
@@ -458,10 +475,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 
   // dK = dS^T (scale Q): the scale applied once here.
-  T* grad_k_out =
-      static_cast<T*>(p.grad_k) + batch * p.grad_k_strides.batch + kv_head * p.grad_k_strides.head;
-  T* grad_v_out =
-      static_cast<T*>(p.grad_v) + batch * p.grad_v_strides.batch + kv_head * p.grad_v_strides.head;
+  T* grad_k_out = static_cast<T*>(p.grad_k) + kv_head * p.grad_k_strides.head;
+  T* grad_v_out = static_cast<T*>(p.grad_v) + kv_head * p.grad_v_strides.head;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int64_t key = my_keys[e / 2];
@@ -471,6 +486,135 @@ __global__ void __launch_bounds__(kMmaThreads)
       const int64_t d = f * 8 + 2 * t + (e & 1);
       store_as(grad_k_out + key * p.grad_k_strides.row + d, grad_k[f][e] * scale);
       store_as(grad_v_out + key * p.grad_v_strides.row + d, grad_v[f][e]);
+    }
+  }
+}
+
+// dQ of a deterministic backward on the tensor cores: the forward's schedule (64 query rows
+// of one head per block, 16 per warp, key tiles of 64 in order) with dQ = scale * dS K kept
+// in registers, so every row's sum has one order and no atomics. Per tile: S = Q K^T and
+// dP = dO V^T from register fragments of Q and dO, dS = P * (dP - delta) (dropped, times the
+// softcap's derivative) in the C fragments, which feed dS K as A fragments.
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kMmaThreads)
+    attention_grad_q_mma(AttentionBackwardParams call, const int64_t* seed) {
+  constexpr int kLd = kTileLd<kDim>;
+  constexpr int kDimSteps = kDim / 16;
+  constexpr int kDimFragments = kDim / 8;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  AttentionBackwardParams p = sequence_params(call, blockIdx.z);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  if (row0 >= p.seq_q) return;
+  T* k_tile = reinterpret_cast<T*>(shared_bytes);  // [kMmaKeys, kLd]; first stages Q
+  T* v_tile = k_tile + kMmaKeys * kLd;             // [kMmaKeys, kLd]; first stages dO
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t head = blockIdx.y;
+  const int64_t kv_head = head / (p.num_heads / p.num_kv_heads);
+  if (p.dropout.enabled) p.dropout.seed = static_cast<uint64_t>(*seed);
+  const float keep_scale = static_cast<float>(p.dropout.keep_scale);
+  const HeadScoreMods<float> mods = HeadScoreMods<float>::of(p, head);
+  const T* k = static_cast<const T*>(p.k) + kv_head * p.k_strides.head;
+  const T* v = static_cast<const T*>(p.v) + kv_head * p.v_strides.head;
+
+  load_tile<T, kDim>(k_tile, kMmaRows, static_cast<const T*>(p.q) + head * p.q_strides.head,
+                     p.q_strides.row, row0, p.seq_q);
+  load_tile<T, kDim>(v_tile, kMmaRows,
+                     static_cast<const T*>(p.grad_out) + head * p.grad_out_strides.head,
+                     p.grad_out_strides.row, row0, p.seq_q);
+  __syncthreads();
+  uint32_t q_frag[kDimSteps][4], do_frag[kDimSteps][4];
+  load_a_fragments<T, kDim>(q_frag, k_tile + (warp * 16 + g) * kLd + 2 * t);
+  load_a_fragments<T, kDim>(do_frag, v_tile + (warp * 16 + g) * kLd + 2 * t);
+
+  // This thread's two rows: r = 0 is row g of the warp's 16, r = 1 row g + 8. A row past the
+  // sequence gets lse -inf, which marks it as seeing nothing.
+  const int64_t rows[2] = {row0 + warp * 16 + g, row0 + warp * 16 + g + 8};
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t element = head * p.lse_head_stride + rows[r];
+    row_lse[r] = rows[r] < p.seq_q ? static_cast<const float*>(p.lse)[element] : -INFINITY;
+    row_delta[r] = rows[r] < p.seq_q ? static_cast<const float*>(p.delta)[element] : 0.f;
+  }
+  float grad_q[kDimFragments][4] = {};
+  const float scale = static_cast<float>(p.scale);
+
+  const int64_t last_row = min(row0 + kMmaRows, p.seq_q) - 1;
+  const int64_t key_begin = visible_keys(p.window, row0, p.seq_k).begin / kMmaKeys * kMmaKeys;
+  const int64_t key_end = visible_keys(p.window, last_row, p.seq_k).end;
+  for (int64_t key0 = key_begin; key0 < key_end; key0 += kMmaKeys) {
+    __syncthreads();  // the previous tile (or Q and dO) is no longer read
+    load_tile<T, kDim>(k_tile, kMmaKeys, k, p.k_strides.row, key0, p.seq_k);
+    load_tile<T, kDim>(v_tile, kMmaKeys, v, p.v_strides.row, key0, p.seq_k);
+    __syncthreads();
+
+    // S = Q K^T and dP = dO V^T: B[d][key] = K[key][d] (V[key][d]), a pair of one row.
+    float s[kFragmentsPerTile][4] = {}, dp[kFragmentsPerTile][4] = {};
+#pragma unroll
+    for (int n = 0; n < kFragmentsPerTile; ++n) {
+      const T* k_row = k_tile + (n * 8 + g) * kLd + 2 * t;
+      const T* v_row = v_tile + (n * 8 + g) * kLd + 2 * t;
+#pragma unroll
+      for (int step = 0; step < kDimSteps; ++step) {
+        const uint32_t b_k[2] = {load_pair(k_row + step * 16), load_pair(k_row + step * 16 + 8)};
+        const uint32_t b_v[2] = {load_pair(v_row + step * 16), load_pair(v_row + step * 16 + 8)};
+        mma_16x8x16(s[n], q_frag[step], b_k, T{});
+        mma_16x8x16(dp[n], do_frag[step], b_v, T{});
+      }
+    }
+
+    // dS in place of S.
+#pragma unroll
+    for (int n = 0; n < kFragmentsPerTile; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int64_t row = rows[r], key = key0 + n * 8 + 2 * t + (e & 1);
+        float grad_score = 0.f;
+        if (row_lse[r] != -INFINITY) {
+          const float capped = mods.capped(s[n][e] * scale);
+          const float score = masked_score<T>(capped + mods.bias(row, key), p, head, row, key);
+          float grad_prob = dp[n][e];
+          if (p.dropout.enabled) {
+            grad_prob =
+                sequence_dropout_keeps(p.dropout, head, row, key) ? grad_prob * keep_scale : 0.f;
+          }
+          grad_score =
+              __expf(score - row_lse[r]) * (grad_prob - row_delta[r]) * mods.cap_derivative(capped);
+        }
+        s[n][e] = grad_score;
+      }
+    }
+
+    // dQ += dS K: A from the dS C fragments, B[key][d] = K[key][d] two rows per register.
+#pragma unroll
+    for (int step = 0; step < kMmaKeys / 16; ++step) {
+      const uint32_t a[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
+                             pack_floats(s[2 * step][2], s[2 * step][3], T{}),
+                             pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
+                             pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
+      const T* k_rows = k_tile + (step * 16 + 2 * t) * kLd + g;
+#pragma unroll
+      for (int f = 0; f < kDimFragments; ++f) {
+        const T* k_col = k_rows + f * 8;
+        const uint32_t b[2] = {pack_pair(k_col[0], k_col[kLd]),
+                               pack_pair(k_col[8 * kLd], k_col[9 * kLd])};
+        mma_16x8x16(grad_q[f], a, b, T{});
+      }
+    }
+  }
+
+  T* grad_q_out = static_cast<T*>(p.grad_q) + head * p.grad_q_strides.head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] >= p.seq_q) continue;
+    T* out_row = grad_q_out + rows[r] * p.grad_q_strides.row + 2 * t;
+#pragma unroll
+    for (int f = 0; f < kDimFragments; ++f) {
+      store_as(out_row + f * 8, grad_q[f][2 * r] * scale);
+      store_as(out_row + f * 8 + 1, grad_q[f][2 * r + 1] * scale);
     }
   }
 }
@@ -536,6 +680,20 @@ bool backward_for_dtype(const AttentionBackwardParams& p, const int64_t* seed,
       kHeadDimSlots);
 }
 
+template <typename T>
+bool grad_q_for_dtype(const AttentionBackwardParams& p, const int64_t* seed, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(p.seq_q, kMmaRows)),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  return for_compiled_head_dim(
+      p.head_dim,
+      [&](auto dim) {
+        constexpr int kDim = decltype(dim)::value;
+        launch_mma(attention_grad_q_mma<T, kDim>, grid, 2 * kMmaKeys * kTileLd<kDim> * sizeof(T),
+                   stream, p, seed);
+      },
+      kHeadDimSlots);
+}
+
 bool aligned_rows(const void* data, const RowStrides& strides) {
   // 16-byte loads: every row of 16-bit elements starts on a multiple of 8 elements.
   return reinterpret_cast<uintptr_t>(data) % 16 == 0 && strides.batch % 8 == 0 &&
@@ -563,6 +721,13 @@ bool tensor_core_backward(const AttentionBackwardParams& p, const int64_t* seed,
   if (!tensor_core_inputs(p) || !aligned_rows(p.grad_out, p.grad_out_strides)) return false;
   return p.dtype == DType::kFloat16 ? backward_for_dtype<__half>(p, seed, stream)
                                     : backward_for_dtype<__nv_bfloat16>(p, seed, stream);
+}
+
+bool tensor_core_grad_q(const AttentionBackwardParams& p, const int64_t* seed,
+                        cudaStream_t stream) {
+  if (!tensor_core_inputs(p) || !aligned_rows(p.grad_out, p.grad_out_strides)) return false;
+  return p.dtype == DType::kFloat16 ? grad_q_for_dtype<__half>(p, seed, stream)
+                                    : grad_q_for_dtype<__nv_bfloat16>(p, seed, stream);
 }
 
 }  // namespace mha_ext::cuda

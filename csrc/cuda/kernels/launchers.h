@@ -29,8 +29,9 @@ struct KernelChoice {
 cudaError_t launch_attention_forward(const AttentionForwardParams& params, const int64_t* seed,
                                      KernelChoice choice, cudaStream_t stream);
 
-// grad_q_accum: zero-filled fp32/fp64 [1, batch, num_heads, seq_q, head_dim] (one split: the
-// CUDA backward adds dQ with atomics); delta: [batch, num_heads, seq_q].
+// grad_q_accum: zero-filled fp32/fp64, one split of lse_elements(params) rows of head_dim
+// (the CUDA backward adds dQ with atomics); unused (nullptr) when params.deterministic, whose
+// dQ comes from a pass of its own. delta: in lse's layout.
 cudaError_t launch_attention_backward(const AttentionBackwardParams& params, const int64_t* seed,
                                       KernelChoice choice, cudaStream_t stream);
 

@@ -102,18 +102,19 @@ struct SimtRows {
     }
   }
 
-  // Writes row i normalised into out_row (head_dim_v elements of out_t) and returns its
-  // logsumexp: 0 output and -inf for a row that saw no key.
+  // Writes row i normalised into out_row (head_dim_v elements of out_t), the sink logit
+  // `sink` (-inf: none) joining the denominator, and returns its logsumexp: 0 output and
+  // lse = sink for a row that saw no key.
   template <typename out_t>
-  __device__ acc_t finish(int i, out_t* out_row, int64_t head_dim_v, int lane) const {
-    const bool empty = row_sum[i] == acc_t(0);
-    const acc_t inv_sum = empty ? acc_t(0) : acc_t(1) / row_sum[i];
+  __device__ acc_t finish(int i, out_t* out_row, int64_t head_dim_v, int lane,
+                          acc_t sink = -INFINITY) const {
+    const RowFinish<acc_t> row = finish_row(row_max[i], row_sum[i], sink);
 #pragma unroll
     for (int c = 0; c < kDimChunks; ++c) {
       const int64_t d = lane + c * kWarpSize;
-      if (d < head_dim_v) store_as(out_row + d, acc[i][c] * inv_sum);
+      if (d < head_dim_v) store_as(out_row + d, acc[i][c] * row.out_factor);
     }
-    return empty ? acc_t(-INFINITY) : row_max[i] + log_of(row_sum[i]);
+    return row.lse;
   }
 };
 
