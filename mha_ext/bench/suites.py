@@ -53,6 +53,11 @@ NAIVE_MAX_SEQ = 1024
 # llama2-70b forward + backward of it takes over a minute.
 NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
+# The decode suite's cases with score features, 32 query / 8 kv heads x 128: a Mistral-style
+# sliding window of 4096 keys over a 32k context (the window's keys are all a step reads), and
+# Gemma 2's logit softcap of 50 with gpt-oss-style sinks at the suite's contexts.
+WINDOW_DECODE = dict(window=4096, context=32768)
+SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 # The step name of a case's roofline probe among its contenders' (run_case).
 ROOFLINE_PROBE = "roofline_probe"
@@ -169,13 +174,31 @@ def attention_case(
 
 
 def _decode_case(
-    name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH, block_size=16
+    name,
+    heads,
+    kv_heads,
+    head_dim,
+    context,
+    dtype,
+    device,
+    batch=DECODE_BATCH,
+    block_size=16,
+    window=None,
+    softcap=0.0,
+    sinks=False,
 ) -> Case:
     """One decode step of one layer. A model's step reads every layer's cache once, so on a CPU
     the steps cycle through enough layers that their caches are twice the size of the CPU's
-    largest cache: each step reads its K/V from memory, as in a real model."""
+    largest cache: each step reads its K/V from memory, as in a real model.
+
+    window: the query sees its last window + 1 keys; torch's contenders attend to a contiguous
+    cache of just those (a rolling window cache), and the work is their bytes. softcap and
+    sinks (one logit per head): torch SDPA has neither, so the baseline is the same math in
+    plain torch ops (torch_eager: scores, tanh, the sink as one more logit, softmax, P V)."""
     generator = torch.Generator().manual_seed(0)
+    keys_read = context if window is None else min(context, window + 1)
     layer_bytes = 2 * batch * kv_heads * context * head_dim * dtype.itemsize
+    work_bytes = 2 * batch * kv_heads * keys_read * head_dim * dtype.itemsize
     layers = (
         max(1, -(-2 * cpu_cache_bytes() // layer_bytes)) if device.type == "cpu" else 1
     )  # 1 if unknown
@@ -206,11 +229,16 @@ def _decode_case(
             cache.value_caches[layer],
             prefill.slot_mapping,
         )
-        contiguous.append((k, v))
+        # The keys the query sees, contiguous: (B, Hkv, keys_read, D)
+        contiguous.append(tuple(t[:, :, context - keys_read :].contiguous() for t in (k, v)))
     q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q_packed = q[:, :, 0]  # (B, H, D)
     gqa = heads != kv_heads
+    sink_logits = torch.randn(heads, generator=generator).to(device) if sinks else None
+    features = dict(
+        window=None if window is None else (window, 0), softcap=softcap, sinks=sink_logits
+    )
 
     def rotating(step):  # each call runs step(layer) on the next layer
         next_layer = itertools.cycle(range(layers))
@@ -225,18 +253,47 @@ def _decode_case(
                 prefill.block_tables,
                 prefill.seq_lens,
                 one_query_each,
+                **features,
             )
         )
     }
-    for contender, backend in _torch_sdpa_contenders(device).items():
+    baseline = next(iter(_torch_sdpa_contenders(device)))
+    if softcap or sinks:
+        baseline = "torch_eager"
 
-        def torch_decode(layer, backend=backend):
-            with _backend(backend):
-                F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+        def torch_eager(layer):
+            k, v = contiguous[layer]
+            group = heads // kv_heads
+            # (B, Hkv, group, D) @ (B, Hkv, D, S) -> (B, Hkv, group, S)
+            scores = (q.view(batch, kv_heads, group, head_dim) @ k.transpose(-2, -1)).float()
+            scores = scores * head_dim**-0.5
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks:
+                sink_column = sink_logits.view(1, kv_heads, group, 1).expand(batch, -1, -1, 1)
+                scores = torch.cat([scores, sink_column], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :keys_read].to(dtype)
+            return probs @ v
 
-        steps[contender] = rotating(torch_decode)
-    steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
+        steps[baseline] = rotating(torch_eager)
+    else:
+        for contender, backend in _torch_sdpa_contenders(device).items():
+
+            def torch_decode(layer, backend=backend):
+                with _backend(backend):
+                    F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+
+            steps[contender] = rotating(torch_decode)
+        steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
     label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
+    if window is not None:
+        label += f" window={window}"
+    if softcap:
+        label += f" softcap={softcap:g}"
+    if sinks:
+        label += " sinks"
+    if baseline != next(iter(_torch_sdpa_contenders(device))):
+        label += f" (vs {baseline})"
     params = {
         "model": name,
         "heads": heads,
@@ -247,16 +304,12 @@ def _decode_case(
         "dtype": dtype_name(dtype),
         "block_size": block_size,
         "layers": layers,
+        "window": window,
+        "softcap": softcap,
+        "sinks": sinks,
     }
     return Case(
-        "paged_decode",
-        label,
-        params,
-        layer_bytes,
-        "GB/s",
-        "stream_read",
-        steps,
-        baseline=next(iter(_torch_sdpa_contenders(device))),
+        "paged_decode", label, params, work_bytes, "GB/s", "stream_read", steps, baseline=baseline
     )
 
 
@@ -405,6 +458,35 @@ def build_cases(
                                 n, h, kv, 128, c, t, device, decode_batch
                             )
                         )
+            _, heads, kv_heads, head_dim = GQA_SHAPE
+            for dtype in dtypes:
+                factories.append(
+                    lambda t=dtype: _decode_case(
+                        GQA_SHAPE[0],
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        WINDOW_DECODE["context"],
+                        t,
+                        device,
+                        decode_batch,
+                        window=WINDOW_DECODE["window"],
+                    )
+                )
+                for context in contexts:
+                    factories.append(
+                        lambda t=dtype, c=context: _decode_case(
+                            GQA_SHAPE[0],
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            c,
+                            t,
+                            device,
+                            decode_batch,
+                            **SOFTCAP_DECODE,
+                        )
+                    )
         elif suite == "cache_append":
             for context in append_contexts:
                 factories.append(lambda c=context: _append_case(c, device, append_batch))
