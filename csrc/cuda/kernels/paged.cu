@@ -313,7 +313,8 @@ int64_t paged_attention_splits(const PagedAttentionParams& p, int num_sms) {
   // a row tile's queries see.
   const int64_t blocks = std::max<int64_t>(p.batch * p.num_kv_heads, 1);
   const int64_t wanted = ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), blocks);
-  const int64_t tile_queries = ceil_div<int64_t>(kSimtRows, p.num_heads / p.num_kv_heads);
+  const int64_t group = std::max<int64_t>(p.num_heads / p.num_kv_heads, 1);
+  const int64_t tile_queries = ceil_div<int64_t>(kSimtRows, group);
   const int64_t keys = paged_max_chunk_keys(p, std::min(p.max_queries_per_seq, tile_queries));
   return std::max<int64_t>(1, std::min(wanted, keys / 256));
 }
