@@ -53,10 +53,12 @@ NAIVE_MAX_SEQ = 1024
 # llama2-70b forward + backward of it takes over a minute.
 NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
-# The decode suite's cases with score features, 32 query / 8 kv heads x 128: a Mistral-style
-# sliding window of 4096 keys over a 32k context (the window's keys are all a step reads), and
-# Gemma 2's logit softcap of 50 with gpt-oss-style sinks at the suite's contexts.
-WINDOW_DECODE = dict(window=4096, context=32768)
+# The decode suite's cases with score features, 32 query / 8 kv heads x 128, at each of the
+# suite's contexts: a Mistral-style sliding window of that many keys over a context this many
+# times longer (4096 over 32k at the full run's 4096: the window's keys are all a step reads,
+# the bytes of the plain case of that context), and Gemma 2's logit softcap of 50 with
+# gpt-oss-style sinks.
+WINDOW_CONTEXT_FACTOR = 8
 SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 # The step name of a case's roofline probe among its contenders' (run_case).
@@ -235,10 +237,13 @@ def _decode_case(
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q_packed = q[:, :, 0]  # (B, H, D)
     gqa = heads != kv_heads
-    sink_logits = torch.randn(heads, generator=generator).to(device) if sinks else None
-    features = dict(
-        window=None if window is None else (window, 0), softcap=softcap, sinks=sink_logits
-    )
+    features = {}  # paged_attention's feature arguments, only those the case sets
+    if window is not None:
+        features["window"] = (window, 0)
+    if softcap:
+        features["softcap"] = softcap
+    if sinks:
+        features["sinks"] = sink_logits = torch.randn(heads, generator=generator).to(device)
 
     def rotating(step):  # each call runs step(layer) on the next layer
         next_layer = itertools.cycle(range(layers))
@@ -458,35 +463,15 @@ def build_cases(
                                 n, h, kv, 128, c, t, device, decode_batch
                             )
                         )
-            _, heads, kv_heads, head_dim = GQA_SHAPE
             for dtype in dtypes:
-                factories.append(
-                    lambda t=dtype: _decode_case(
-                        GQA_SHAPE[0],
-                        heads,
-                        kv_heads,
-                        head_dim,
-                        WINDOW_DECODE["context"],
-                        t,
-                        device,
-                        decode_batch,
-                        window=WINDOW_DECODE["window"],
-                    )
-                )
                 for context in contexts:
-                    factories.append(
-                        lambda t=dtype, c=context: _decode_case(
-                            GQA_SHAPE[0],
-                            heads,
-                            kv_heads,
-                            head_dim,
-                            c,
-                            t,
-                            device,
-                            decode_batch,
-                            **SOFTCAP_DECODE,
+                    window_case = dict(context=WINDOW_CONTEXT_FACTOR * context, window=context)
+                    for features in (window_case, dict(context=context, **SOFTCAP_DECODE)):
+                        factories.append(
+                            lambda t=dtype, f=features: _decode_case(
+                                *GQA_SHAPE, dtype=t, device=device, batch=decode_batch, **f
+                            )
                         )
-                    )
         elif suite == "cache_append":
             for context in append_contexts:
                 factories.append(lambda c=context: _append_case(c, device, append_batch))
