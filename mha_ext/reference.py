@@ -67,6 +67,72 @@ def attention_reference(
     return torch.matmul(probs, v), lse
 
 
+def paged_attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    *,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of mha_ext.paged_attention computed sequence by sequence with explicit
+    (H, n_q, n_k) scores over keys gathered from the cache through the block tables.
+
+    Same arguments as mha_ext.paged_attention. Only the keys some query of a sequence sees
+    are gathered (from the first query's window on), so cache rows outside every window may
+    hold anything. Computes in q's dtype: pass float64 tensors for the ground truth.
+    """
+    total_q, heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    left = None if window is None or window[0] in (None, -1) else window[0]
+    out = q.new_zeros(total_q, heads, v_cache.shape[-1])
+    lse = q.new_full((total_q, heads), float("-inf"))
+    for b in range(len(seq_lens)):
+        begin, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seq_len, num_queries = int(seq_lens[b]), end - begin
+        if num_queries == 0:
+            continue
+        # The queries are the sequence's last tokens.
+        positions = torch.arange(seq_len - num_queries, seq_len, device=q.device)
+        first_key = 0 if left is None else max(0, seq_len - num_queries - left)
+        keys = torch.arange(first_key, seq_len, device=q.device)
+        blocks = block_tables[b, keys // block_size].long()
+        # (n_k, kv_heads, D) -> (H, n_k, D)
+        k = k_cache[blocks, :, keys % block_size].to(q.dtype).repeat_interleave(group, 1)
+        v = v_cache[blocks, :, keys % block_size].to(q.dtype).repeat_interleave(group, 1)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        scores = torch.matmul(q[begin:end].transpose(0, 1), k.transpose(-2, -1)) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        distance = positions[:, None] - keys[None, :]  # (n_q, n_k)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+            scores = scores - slopes.to(q.dtype)[:, None, None] * distance.abs().to(q.dtype)
+        allowed = distance >= 0
+        if left is not None:
+            allowed &= distance <= left
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (H, n_q, n_k)
+        logits = scores
+        if sinks is not None:  # one more logit per row, with no value
+            sink_logits = sinks.to(q.dtype)[:, None, None].expand(heads, num_queries, 1)
+            logits = torch.cat([scores, sink_logits], dim=-1)
+        row_lse = torch.logsumexp(logits, dim=-1)  # (H, n_q)
+        # A row that sees nothing has lse -inf and scores -inf: subtracting 0 keeps it at 0.
+        finite_lse = torch.where(row_lse == float("-inf"), 0.0, row_lse)
+        probs = torch.exp(scores - finite_lse[..., None])
+        out[begin:end] = torch.matmul(probs, v).transpose(0, 1)
+        lse[begin:end] = row_lse.transpose(0, 1)
+    return out, lse
+
+
 class MultiHeadAttentionReference(nn.Module):
     """The seed tutorial's naive module (explicit scores, separate softmax and dropout),
     extended to GQA/MQA by repeating K/V heads. Parameters match MultiHeadAttention's, so
