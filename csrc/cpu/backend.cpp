@@ -82,14 +82,13 @@ Backend::AttentionBackwardPlan Backend::plan(AttentionBackwardParams& params,
   AttentionBackwardPlan plan;
   // Uncleared: the kernels write each element before they add to it.
   params.grad_q_accum_split_stride = lse_elements(params) * params.head_dim;
-  plan.grad_q_accum =
-      kept_workspace(Workspace::kGradQAccum,
-                     {params.num_kv_splits, params.grad_q_accum_split_stride},
-                     accumulate_options(like));
+  plan.grad_q_accum = kept_workspace(Workspace::kGradQAccum,
+                                     {params.num_kv_splits, params.grad_q_accum_split_stride},
+                                     accumulate_options(like));
   params.grad_q_accum = plan.grad_q_accum.data_ptr();
   if (params.dtype == DType::kBFloat16) {
-    plan.q_grad_out_transposed = kept_workspace(
-        Workspace::kTransposed, {q_grad_out_transposed_size(shape)}, like.options());
+    plan.q_grad_out_transposed =
+        kept_workspace(Workspace::kTransposed, {q_grad_out_transposed_size(shape)}, like.options());
     plan.workspaces.q_grad_out_transposed = plan.q_grad_out_transposed.data_ptr();
   }
   return plan;

@@ -135,8 +135,8 @@ inline void fill_varlen_params(AttentionForwardParams& p, const at::Tensor& q, c
     TORCH_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
                     seqused_k->numel() == batch && seqused_k->is_contiguous() &&
                     seqused_k->device() == q.device(),
-                kOp, "seqused_k must be a contiguous torch.int32 tensor of shape (", batch,
-                ") on ", q.device(), ", got ", dtype_name(seqused_k->scalar_type()), " of shape ",
+                kOp, "seqused_k must be a contiguous torch.int32 tensor of shape (", batch, ") on ",
+                q.device(), ", got ", dtype_name(seqused_k->scalar_type()), " of shape ",
                 seqused_k->sizes(), " on ", seqused_k->device());
   }
   TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, kOp,
@@ -155,8 +155,8 @@ inline void fill_varlen_params(AttentionForwardParams& p, const at::Tensor& q, c
                   cu[batch]);
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t length = int64_t(cu[b + 1]) - cu[b];
-        TORCH_CHECK(length >= 0, kOp, names[side], " must be non-decreasing, got ", cu[b],
-                    " then ", cu[b + 1], " at sequence ", b);
+        TORCH_CHECK(length >= 0, kOp, names[side], " must be non-decreasing, got ", cu[b], " then ",
+                    cu[b + 1], " at sequence ", b);
         TORCH_CHECK(length <= longest[side], kOp, longest_names[side], " is ", longest[side],
                     " but sequence ", b, " has ", length, side == 0 ? " queries" : " keys");
       }
@@ -220,8 +220,8 @@ inline AttentionForwardParams make_attention_params(
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp, "k has ", k.size(1),
               " heads, which does not divide q's ", q.size(1), " heads");
   const int64_t head_dim = q.size(head_dim_index), head_dim_v = v.size(head_dim_index);
-  TORCH_CHECK(head_dim == k.size(head_dim_index), kOp, "q has head_dim ", head_dim,
-              " but k has ", k.size(head_dim_index));
+  TORCH_CHECK(head_dim == k.size(head_dim_index), kOp, "q has head_dim ", head_dim, " but k has ",
+              k.size(head_dim_index));
   TORCH_CHECK(head_dim <= kMaxHeadDim && head_dim_v <= kMaxHeadDim, kOp, "head_dim ", head_dim,
               " (q, k) and ", head_dim_v, " (v) must not exceed ", kMaxHeadDim);
   TORCH_CHECK(std::isfinite(scale), kOp, "scale must be finite, got ", scale);
@@ -251,10 +251,10 @@ inline AttentionForwardParams make_attention_params(
   p.head_dim = head_dim;
   p.head_dim_v = head_dim_v;
   if (packed) {
-    fill_varlen_params(p, q, k, *cu_seqlens_q, *cu_seqlens_k, seqused_k, max_seqlen_q,
-                       max_seqlen_k, indices_on_host);
-    for (const auto& [t, strides] : {std::pair{&q, &p.q_strides}, std::pair{&k, &p.k_strides},
-                                     std::pair{&v, &p.v_strides}}) {
+    fill_varlen_params(p, q, k, *cu_seqlens_q, *cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                       indices_on_host);
+    for (const auto& [t, strides] :
+         {std::pair{&q, &p.q_strides}, std::pair{&k, &p.k_strides}, std::pair{&v, &p.v_strides}}) {
       *strides = RowStrides{0, t->stride(1), t->stride(0)};
     }
   } else {
@@ -351,10 +351,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const std::optional<at::Tensor>& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic) {
   AttentionForwardCall call;
-  call.params = make_attention_params(
-      q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right,
-      softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-      max_seqlen_k, Backend::kIndicesOnHost);
+  call.params = make_attention_params(q, k, v, attn_mask, dropout_seed, dropout_p, scale,
+                                      window_left, window_right, bottom_right, softcap,
+                                      alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                      max_seqlen_q, max_seqlen_k, Backend::kIndicesOnHost);
   call.out = empty_attention_output(q, call.params.head_dim_v);
   call.lse = at::empty(lse_shape(q), accumulate_options(q));
   set_forward_outputs(call.params, call.out, call.lse);

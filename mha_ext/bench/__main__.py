@@ -26,12 +26,14 @@ QUICK = {
     "seq": [512],
     "context": [1024],
     "append_context": [512, 4096, 32768],
+    "varlen_tokens": 4096,
 }
 FULL = {
     "models": list(MODELS),
     "seq": [512, 1024, 2048],
     "context": [1024, 4096],
     "append_context": [512, 2048, 8192, 32768],
+    "varlen_tokens": 16384,
 }
 
 
@@ -73,6 +75,9 @@ def parse_args(argv):
         "--seq", nargs="+", type=int, help="sequence lengths of the attention suites"
     )
     parser.add_argument("--context", nargs="+", type=int, help="contexts of the decode suite")
+    parser.add_argument(
+        "--varlen-tokens", type=int, help="tokens the varlen suite packs its documents into"
+    )
     parser.add_argument(
         "--append-context", nargs="+", type=int, help="contexts of the append suite"
     )
@@ -139,6 +144,7 @@ def main(argv=None):
         device,
         args.decode_batch,
         args.append_batch,
+        args.varlen_tokens or sizes["varlen_tokens"],
     )
     progress = Progress(len(factories))
     results = []

@@ -13,10 +13,14 @@ SUITE_TITLES = {
     "paged_decode": "paged decode (K/V read per step)",
     "cache_append": "cache append (K/V written per token)",
     "call_overhead": f"small forward calls, batch 1 ({CALLS_PER_STEP} back to back per timed step)",
+    "variants": "each score feature against plain attention of the same shape, causal",
+    "varlen": "packed documents, causal forward + backward (work: the documents' own FLOPs)",
 }
 # Suites whose tables show each contender's microseconds per call, not its throughput: the
 # fixed costs of a small call are what they measure.
 PER_CALL_SUITES = {"call_overhead"}
+# Suites whose cases are not a line over one length: a table and no plot.
+TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen"}
 
 
 def _contenders(results: List[Dict]) -> List[str]:
@@ -64,6 +68,8 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
     )
     if suite == "cache_append":
         lines += _append_summary(results)
+    if suite == "varlen":
+        lines += _varlen_summary(results)
     return "\n".join(lines)
 
 
@@ -92,6 +98,23 @@ def _append_summary(results: List[Dict]) -> List[str]:
     return lines
 
 
+def _varlen_summary(results: List[Dict]) -> List[str]:
+    """mha_ext's packed GFLOP/s as a fraction of its uniform batch's, per dtype."""
+    lines = []
+    for dtype in sorted({r["params"]["dtype"] for r in results}):
+        rates = {
+            r["params"]["layout"]: r["results"]["mha_ext"]["throughput"]
+            for r in results
+            if r["params"]["dtype"] == dtype and "mha_ext" in r["results"]
+        }
+        if len(rates) == 2:
+            lines.append(
+                f"{dtype}: packed documents run at {100 * rates['packed'] / rates['uniform']:.0f}% "
+                f"of the uniform batch's GFLOP/s"
+            )
+    return lines
+
+
 def write_json(path: Path, machine: Dict, roofline: Dict[str, float], results: List[Dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -113,7 +136,7 @@ def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
     written = []
     # The call_overhead shapes differ in heads as well as length: one line over them would
     # mislead, so its table is its only result.
-    for suite in (s for s in SUITE_TITLES if s not in PER_CALL_SUITES):
+    for suite in (s for s in SUITE_TITLES if s not in TABLE_ONLY_SUITES):
         suite_results = [r for r in results if r["suite"] == suite]
         if not suite_results:
             continue

@@ -40,7 +40,29 @@ SUITES = (
     "paged_decode",
     "cache_append",
     "call_overhead",
+    "variants",
+    "varlen",
 )
+# The variants suite: each score feature of attention alone, against plain attention of the
+# same shape (the feature's cost). (label, attention keyword arguments given the heads)
+VARIANTS = {
+    "softcap": lambda heads: {"softcap": 30.0},
+    "alibi": lambda heads: {"alibi_slopes": torch.rand(heads) / 4},
+    "sinks": lambda heads: {"sinks": torch.randn(heads)},
+    "window": lambda heads: {"window": (256, 0)},
+    "all": lambda heads: {
+        "softcap": 30.0,
+        "alibi_slopes": torch.rand(heads) / 4,
+        "sinks": torch.randn(heads),
+        "window": (256, 0),
+    },
+}
+VARIANTS_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
+# The varlen suite: documents with lengths drawn log-uniform in [64, 4096] packed into about
+# this many tokens, trained (forward + backward, causal) as one packed call, against the same
+# tokens as a uniform batch and torch SDPA on the documents padded to the longest.
+VARLEN_TOKENS = 16384
+VARLEN_SHAPE = ("4q-2kv-d128", 4, 2, 128)
 # Small forward calls (batch 1), where fixed costs (Python, dispatch, autograd, allocation,
 # threads) matter as much as arithmetic: a decode step of one head, a short prompt, and
 # issue 5's small case (12 heads, 128 tokens, head dim 64). (heads, seq, head_dim)
@@ -358,6 +380,146 @@ def _call_overhead_case(heads, seq, head_dim, dtype, device) -> Case:
     )
 
 
+def _variant_case(variant, seq, dtype, backward, device) -> Case:
+    """One feature's attention against plain attention of the same shape (baseline)."""
+    name, heads, kv_heads, head_dim = VARIANTS_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    options = {
+        key: value.to(device) if isinstance(value, torch.Tensor) else value
+        for key, value in VARIANTS[variant](heads).items()
+    }
+    q, k, v = (
+        torch.randn(1, h, seq, head_dim, generator=generator)
+        .to(device=device, dtype=dtype)
+        .requires_grad_(backward)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    grad_out = torch.randn_like(q)
+
+    def step_of(**kwargs):
+        def step():
+            out = functional.attention(q, k, v, causal="bottom_right", **kwargs)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), grad_out)
+
+        return step
+
+    # Keys each query sees, causal and within the window where there is one: both contenders
+    # do only that work.
+    left = options.get("window", (seq, 0))[0]
+    keys_seen = sum(min(i, left) + 1 for i in range(seq))
+    work = 4.0 * heads * keys_seen * head_dim * (3.5 if backward else 1.0)
+    return Case(
+        "variants",
+        f"{variant} {dtype_name(dtype)} S={seq}{' fwd+bwd' if backward else ''}",
+        {"variant": variant, "seq": seq, "dtype": dtype_name(dtype), "backward": backward},
+        work,
+        "GFLOP/s",
+        f"matmul_{dtype_name(dtype)}",
+        {"mha_ext": step_of(**options), "mha_ext_plain": step_of(window=options.get("window"))},
+        baseline="mha_ext_plain",
+    )
+
+
+def varlen_document_lengths(total_tokens: int, seed: int = 0) -> List[int]:
+    """Lengths drawn log-uniform in [64, 4096] until they hold total_tokens (the last one
+    trimmed so that they hold exactly that many)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths: List[int] = []
+    while sum(lengths) < total_tokens:
+        draw = torch.empty(1).uniform_(6.0, 12.0, generator=generator)  # log2 of 64 .. 4096
+        lengths.append(int(2.0 ** draw.item()))
+    lengths[-1] -= sum(lengths) - total_tokens
+    return [n for n in lengths if n > 0]
+
+
+def _varlen_cases(dtype, device, total_tokens=VARLEN_TOKENS) -> List[Case]:
+    """Packed documents (mha_ext's varlen against torch SDPA on the documents padded to the
+    longest) and a uniform batch of the same tokens (mha_ext and torch SDPA), all causal,
+    forward + backward. work counts only the documents' own (unpadded) causal FLOPs."""
+    name, heads, kv_heads, head_dim = VARLEN_SHAPE
+    lengths = varlen_document_lengths(total_tokens)
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape):
+        return (
+            torch.randn(*shape, generator=generator)
+            .to(device=device, dtype=dtype)
+            .requires_grad_(True)
+        )
+
+    q, k, v = (tensor(total_tokens, h, head_dim) for h in (heads, kv_heads, kv_heads))
+    grad_out = torch.randn_like(q)
+    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    cu_seqlens = offsets.to(device=device, dtype=torch.int32)
+    longest = max(lengths)
+
+    def packed_step():
+        out = functional.attention_varlen(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, causal="bottom_right"
+        )
+        torch.autograd.grad(out, (q, k, v), grad_out)
+
+    # Padded to the longest document: (documents, heads, longest, head_dim). Causal attention
+    # keeps every real query off the padded keys, so no mask is needed.
+    def padded(x):
+        rows = torch.zeros(len(lengths), longest, *x.shape[1:], device=device, dtype=dtype)
+        for b, n in enumerate(lengths):
+            rows[b, :n] = x[offsets[b] : offsets[b + 1]]
+        return rows.transpose(1, 2).detach().requires_grad_(True)
+
+    q_pad, k_pad, v_pad = padded(q), padded(k), padded(v)
+    grad_pad = padded(grad_out).detach()
+
+    def padded_step():
+        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, (q_pad, k_pad, v_pad), grad_pad)
+
+    packed_work = sum(attention_flops(1, heads, n, n, head_dim, True, True) for n in lengths)
+    uniform_seq = min(2048, total_tokens)
+    uniform_batch = total_tokens // uniform_seq
+    q_uni, k_uni, v_uni = (
+        x.detach().reshape(uniform_batch, uniform_seq, -1, head_dim).transpose(1, 2)
+        for x in (q, k, v)
+    )
+    for x in (q_uni, k_uni, v_uni):
+        x.requires_grad_(True)
+    grad_uni = grad_out.reshape(uniform_batch, uniform_seq, heads, head_dim).transpose(1, 2)
+
+    def uniform_step(attend):
+        def step():
+            out = attend(q_uni, k_uni, v_uni, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (q_uni, k_uni, v_uni), grad_uni)
+
+        return step
+
+    params = {"tokens": total_tokens, "documents": len(lengths), "dtype": dtype_name(dtype)}
+    return [
+        Case(
+            "varlen",
+            f"{len(lengths)} docs (64-4096, longest {longest}) {dtype_name(dtype)}",
+            {**params, "layout": "packed", "lengths": lengths},
+            packed_work,
+            "GFLOP/s",
+            f"matmul_{dtype_name(dtype)}",
+            {"mha_ext": packed_step, "torch_sdpa": padded_step},
+        ),
+        Case(
+            "varlen",
+            f"uniform {uniform_batch} x {uniform_seq} {dtype_name(dtype)}",
+            {**params, "layout": "uniform"},
+            attention_flops(uniform_batch, heads, uniform_seq, uniform_seq, head_dim, True, True),
+            "GFLOP/s",
+            f"matmul_{dtype_name(dtype)}",
+            {
+                "mha_ext": uniform_step(functional.scaled_dot_product_attention),
+                "torch_sdpa": uniform_step(F.scaled_dot_product_attention),
+            },
+        ),
+    ]
+
+
 def build_cases(
     suites,
     models,
@@ -368,6 +530,7 @@ def build_cases(
     device,
     decode_batch=DECODE_BATCH,
     append_batch=1,
+    varlen_tokens=VARLEN_TOKENS,
 ) -> List[Callable[[], Case]]:
     """Case factories (cases allocate their tensors only when they run)."""
     factories = []
@@ -415,6 +578,22 @@ def build_cases(
                         lambda h=heads, s=seq, d=head_dim, t=dtype: _call_overhead_case(
                             h, s, d, t, device
                         )
+                    )
+        elif suite == "variants":
+            for dtype in dtypes:
+                for seq in seqs:
+                    for backward in (False, True):
+                        for variant in VARIANTS:
+                            factories.append(
+                                lambda v=variant, s=seq, t=dtype, b=backward: _variant_case(
+                                    v, s, t, b, device
+                                )
+                            )
+        elif suite == "varlen":
+            for dtype in dtypes:
+                for index in range(2):
+                    factories.append(
+                        lambda t=dtype, i=index: _varlen_cases(t, device, varlen_tokens)[i]
                     )
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")

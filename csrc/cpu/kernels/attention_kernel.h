@@ -30,23 +30,61 @@
 #include "mha_ext/attn_mask.h"
 #include "mha_ext/key_window.h"
 #include "mha_ext/philox.h"
+#include "mha_ext/score_mods.h"
+#include "mha_ext/sequences.h"
 #include "tile_gemm.h"
 
 namespace mha_ext::cpu {
 inline namespace CPU_CAPABILITY {
 
-// Turns one row of dot products (scale * q).k for keys [key0, key0 + cols) into scores:
-// plus an additive mask, and -inf wherever the window or a boolean mask hides the key. The
-// forward and the backward both call this, so they see the same scores.
+// Whether the scores take modifications beyond hiding keys, which apply to scaled scores:
+// kernels that would fold the scale into the exp must scale S first.
+inline bool scores_modified(const AttentionForwardParams& p) {
+  return p.mask.kind == MaskKind::kAdditive || p.mods.softcap > 0.0 ||
+         p.mods.alibi_slopes != nullptr;
+}
+
+// Turns one row of scaled dot products (scale * q).k for keys [key0, key0 + cols) into
+// scores: the softcap and the ALiBi bias (score_mods.h), plus an additive mask, and -inf
+// wherever the window or a boolean mask hides the key. The forward and the backward both
+// call this, so they see the same scores. softcap_grad, when the backward passes it, gets
+// the softcap's derivative d capped / d s = 1 - (capped / softcap)^2 of each visible column.
 template <typename scalar_t, typename acc_t>
 void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, int64_t batch,
-                     int64_t head, int64_t row, int64_t key0) {
+                     int64_t head, int64_t row, int64_t key0, acc_t* softcap_grad = nullptr) {
+  using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const KeyRange visible = visible_keys(p.window, row, p.seq_k);
   const int64_t begin = std::clamp<int64_t>(visible.begin - key0, 0, cols);
   const int64_t end = std::clamp<int64_t>(visible.end - key0, begin, cols);
   std::fill(s, s + begin, kMinusInf);
   std::fill(s + end, s + cols, kMinusInf);
+  if (softcap_grad != nullptr) {  // hidden keys get P = 0, and a finite derivative
+    std::fill(softcap_grad, softcap_grad + begin, acc_t(0));
+    std::fill(softcap_grad + end, softcap_grad + cols, acc_t(0));
+  }
+
+  if (p.mods.softcap > 0.0) {
+    const acc_t cap = static_cast<acc_t>(p.mods.softcap), inverse_cap = acc_t(1) / cap;
+    at::vec::map([cap, inverse_cap](Vec x) { return (x * Vec(inverse_cap)).tanh() * Vec(cap); },
+                 s + begin, s + begin, end - begin);
+    if (softcap_grad != nullptr) {
+      at::vec::map(
+          [inverse_cap](Vec capped) {
+            const Vec t = capped * Vec(inverse_cap);
+            return Vec(acc_t(1)) - t * t;
+          },
+          softcap_grad + begin, s + begin, end - begin);
+    }
+  }
+  if (p.mods.alibi_slopes != nullptr) {
+    // -slope * |row + offset - key|, the distance counted down from the tile's first key
+    const acc_t slope = alibi_slope<acc_t>(p.mods, batch, head);
+    const acc_t first_distance = static_cast<acc_t>(row + p.window.diagonal_offset - key0);
+    for (int64_t c = begin; c < end; ++c) {
+      s[c] -= slope * std::abs(first_distance - static_cast<acc_t>(c));
+    }
+  }
 
   const AttnMaskParams& mask = p.mask;
   if (mask.kind == MaskKind::kNone) return;
@@ -62,19 +100,21 @@ void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, in
   }
 }
 
-// mask_scores_row for rows [row0, row0 + rows) of a score tile s_tile [rows, ld], skipped
-// when there is no mask and every row sees every key of the tile (the window's bounds both
-// grow with the row, so the first row's end and the last row's begin decide).
+// mask_scores_row for rows [row0, row0 + rows) of a score tile s_tile [rows, ld] (and its
+// softcap derivatives softcap_grad [rows, ld] where given), skipped when the scores are not
+// modified and every row sees every key of the tile (the window's bounds both grow with the
+// row, so the first row's end and the last row's begin decide).
 template <typename scalar_t, typename acc_t>
 void mask_scores_tile(acc_t* s_tile, int64_t ld, int64_t rows, int64_t cols,
                       const AttentionForwardParams& p, int64_t batch, int64_t head, int64_t row0,
-                      int64_t key0) {
-  const bool all_visible = p.mask.kind == MaskKind::kNone &&
+                      int64_t key0, acc_t* softcap_grad = nullptr) {
+  const bool all_visible = p.mask.kind == MaskKind::kNone && !scores_modified(p) &&
                            visible_keys(p.window, row0, p.seq_k).end >= key0 + cols &&
                            visible_keys(p.window, row0 + rows - 1, p.seq_k).begin <= key0;
   if (all_visible) return;
   for (int64_t r = 0; r < rows; ++r) {
-    mask_scores_row<scalar_t>(s_tile + r * ld, cols, p, batch, head, row0 + r, key0);
+    mask_scores_row<scalar_t>(s_tile + r * ld, cols, p, batch, head, row0 + r, key0,
+                              softcap_grad == nullptr ? nullptr : softcap_grad + r * ld);
   }
 }
 
@@ -86,7 +126,8 @@ void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dro
   int64_t c = 0;
   while (c < cols) {
     const int64_t col = key0 + c;
-    const Philox4x32 bits = dropout_bits(dropout.seed, batch, head, row, col);
+    const Philox4x32 bits =
+        dropout_bits(dropout.seed, dropout.batch_offset + batch, head, row, col);
     for (int64_t lane = col & 3; lane < 4 && c < cols; ++lane, ++c) {
       row_values[c] =
           dropout_word_kept(dropout, bits.word[lane]) ? row_values[c] * keep_scale : acc_t(0);
@@ -209,13 +250,14 @@ void finish_rows(const ForwardTask& task, int64_t ld_dv, const acc_t* o_tiles, c
     const int64_t head = task.head(i), row0 = task.row0(i);
     scalar_t* out = static_cast<scalar_t*>(p.out) + task.batch * p.out_strides.batch +
                     head * p.out_strides.head + row0 * p.out_strides.row;
-    acc_t* lse = static_cast<acc_t*>(p.lse) + (task.batch * p.num_heads + head) * p.seq_q + row0;
+    acc_t* lse = static_cast<acc_t*>(p.lse) + lse_offset(p, task.batch, head) + row0;
+    const double sink = sink_logit<acc_t>(p.sinks, head);
     for (int64_t r = 0; r < task.rows(i); ++r) {
       const int64_t row = i * kQueryBlock + r;
       const acc_t* partial_sums = row_sum + row * sum_lanes;
       const acc_t sum = std::accumulate(partial_sums, partial_sums + sum_lanes, acc_t(0));
       lse[r] = finish_row(o_tiles + row * ld_dv, p.head_dim_v, row_max[row] * max_unit, sum,
-                          out + r * p.out_strides.row);
+                          out + r * p.out_strides.row, sink);
     }
   }
 }
@@ -289,12 +331,13 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
   });
 }
 
-// The dQ partial sums [seq_q, head_dim] of key split `split` for batch x head bh in
+// The dQ partial sums [seq_q, head_dim] of key split `split` for (batch, head) in
 // p.grad_q_accum.
 template <typename acc_t>
-acc_t* grad_q_partial_sums(const AttentionBackwardParams& p, int64_t split, int64_t bh) {
-  return static_cast<acc_t*>(p.grad_q_accum) +
-         (split * p.batch * p.num_heads + bh) * p.seq_q * p.head_dim;
+acc_t* grad_q_partial_sums(const AttentionBackwardParams& p, int64_t split, int64_t batch,
+                           int64_t head) {
+  return static_cast<acc_t*>(p.grad_q_accum) + split * p.grad_q_accum_split_stride +
+         lse_offset(p, batch, head) * p.head_dim;
 }
 
 // One backward task: (batch, kv head, split of the key blocks), the key blocks
@@ -380,9 +423,9 @@ void compute_delta(const AttentionBackwardParams& p) {
                             head * p.out_strides.head;
       const scalar_t* grad_out = static_cast<const scalar_t*>(p.grad_out) +
                                  batch * p.grad_out_strides.batch + head * p.grad_out_strides.head;
-      acc_t* delta = static_cast<acc_t*>(p.delta) + bh * p.seq_q;
+      acc_t* delta = static_cast<acc_t*>(p.delta) + lse_offset(p, batch, head);
       const acc_t* grad_lse =
-          p.grad_lse ? static_cast<const acc_t*>(p.grad_lse) + bh * p.seq_q : nullptr;
+          p.grad_lse ? static_cast<const acc_t*>(p.grad_lse) + lse_offset(p, batch, head) : nullptr;
       for (int64_t i = 0; i < p.seq_q; ++i) {
         const scalar_t* o_row = out + i * p.out_strides.row;
         const scalar_t* do_row = grad_out + i * p.grad_out_strides.row;
@@ -408,8 +451,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
   const int64_t ld_d = round_up(p.head_dim, Vec::size());
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t tile = kQueryBlock * kKeyBlock;
+  const bool softcap = p.mods.softcap > 0.0;
   const int64_t scratch_size = kQueryBlock * ld_d + kQueryBlock * ld_dv + kKeyBlock * ld_d +
-                               p.head_dim * kKeyBlock + p.head_dim_v * kKeyBlock + 3 * tile +
+                               p.head_dim * kKeyBlock + p.head_dim_v * kKeyBlock + 4 * tile +
                                kKeyBlock * ld_d + kKeyBlock * ld_dv + kKeyBlock * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
 
@@ -422,7 +466,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* p_tile = vt_tile + p.head_dim_v * kKeyBlock;   // [kQueryBlock, kKeyBlock] P
     acc_t* pd_tile = p_tile + tile;                // [kQueryBlock, kKeyBlock] P after dropout
     acc_t* ds_tile = pd_tile + tile;               // [kQueryBlock, kKeyBlock] dP, then dS
-    acc_t* dk_tile = ds_tile + tile;               // [kKeyBlock, ld_d]
+    acc_t* softcap_grad_tile = ds_tile + tile;     // [kQueryBlock, kKeyBlock]
+    acc_t* dk_tile = softcap_grad_tile + tile;     // [kKeyBlock, ld_d]
     acc_t* dv_tile = dk_tile + kKeyBlock * ld_d;   // [kKeyBlock, ld_dv]
     acc_t* staging = dv_tile + kKeyBlock * ld_dv;  // [kKeyBlock, head_dim_v]
 
@@ -431,7 +476,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
       // The group's dQ partial sums in this split start at 0 (the workspace comes uncleared).
       for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, batch * p.num_heads + head);
+        acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, batch, head);
         std::fill(grad_q_accum, grad_q_accum + p.seq_q * p.head_dim, acc_t(0));
       }
 
@@ -447,10 +492,9 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
         const KeyRange seeing = rows_seeing_keys(p.window, key0, key0 + cols, p.seq_q);
 
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-          const int64_t bh = batch * p.num_heads + head;
-          const acc_t* lse = static_cast<const acc_t*>(p.lse) + bh * p.seq_q;
-          const acc_t* delta = static_cast<const acc_t*>(p.delta) + bh * p.seq_q;
-          acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, bh);
+          const acc_t* lse = static_cast<const acc_t*>(p.lse) + lse_offset(p, batch, head);
+          const acc_t* delta = static_cast<const acc_t*>(p.delta) + lse_offset(p, batch, head);
+          acc_t* grad_q_accum = grad_q_partial_sums<acc_t>(p, split, batch, head);
           for (int64_t row0 = seeing.begin; row0 < seeing.end; row0 += kQueryBlock) {
             const int64_t rows = std::min(kQueryBlock, seeing.end - row0);
             // Scaled on load: S = (scale Q) K^T, and dK = dS^T (scale Q) needs no rescaling.
@@ -464,7 +508,8 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             // P = exp(S - lse), recomputed from the saved logsumexp   [rows, cols]
             tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, p_tile,
                              kKeyBlock);
-            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0);
+            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0,
+                                       softcap ? softcap_grad_tile : nullptr);
             probs_from_lse(p_tile, kKeyBlock, rows, cols, lse + row0, acc_t(1));
             const acc_t* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout,
                                             batch, head, row0, key0);
@@ -474,10 +519,15 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             // dP = dO V^T   [rows, cols]
             tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kKeyBlock, ds_tile,
                              kKeyBlock);
-            // dS = P * (dP * dropout - delta)
+            // dS = P * (dP * dropout - delta), through the softcap's derivative
             for (int64_t r = 0; r < rows; ++r) {
-              softmax_grad_row(ds_tile + r * kKeyBlock, p_tile + r * kKeyBlock, cols,
-                               delta[row0 + r], p.dropout, batch, head, row0 + r, key0);
+              acc_t* ds = ds_tile + r * kKeyBlock;
+              softmax_grad_row(ds, p_tile + r * kKeyBlock, cols, delta[row0 + r], p.dropout, batch,
+                               head, row0 + r, key0);
+              if (softcap) {
+                at::vec::map2([](Vec grad, Vec derivative) { return grad * derivative; }, ds, ds,
+                              softcap_grad_tile + r * kKeyBlock, cols);
+              }
             }
             // dK += dS^T (scale Q)   [cols, head_dim]
             tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kKeyBlock, q_tile, ld_d, dk_tile,
@@ -504,17 +554,16 @@ void finish_grad_q(const AttentionBackwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   using Vec = at::vec::Vectorized<acc_t>;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const int64_t accum_split_stride = p.batch * p.num_heads * p.seq_q * p.head_dim;
   at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
       scalar_t* grad_q = static_cast<scalar_t*>(p.grad_q) + batch * p.grad_q_strides.batch +
                          head * p.grad_q_strides.head;
-      acc_t* accum = static_cast<acc_t*>(p.grad_q_accum) + bh * p.seq_q * p.head_dim;
+      acc_t* accum = grad_q_partial_sums<acc_t>(p, 0, batch, head);
       for (int64_t i = 0; i < p.seq_q; ++i) {
         acc_t* row = accum + i * p.head_dim;
         for (int64_t split = 1; split < p.num_kv_splits; ++split) {
-          const acc_t* partial = row + split * accum_split_stride;
+          const acc_t* partial = row + split * p.grad_q_accum_split_stride;
           at::vec::map2([](Vec a, Vec b) { return a + b; }, row, row, partial, p.head_dim);
         }
         store_row(row, p.head_dim, scale, grad_q + i * p.grad_q_strides.row);
@@ -652,7 +701,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t sub_rows = plan.sub_blocks * kQueryBlock;
   const float scale = static_cast<float>(p.scale);
-  const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
+  const bool fold_scale = !scores_modified(p) && scale > 0.f;
   // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
   // O accumulators [sub_rows, ld_dv], row max in log2 units [sub_rows], partial row sums
   // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kQueryBlock, key_tile], the
@@ -790,11 +839,12 @@ __attribute__((target("avx512bf16"))) inline void round_to_row_pairs(const float
 // odd count) and dS as it is (ds_bf16 [rows, ld], a zero column padding an odd count). The
 // arithmetic of probs_from_lse and softmax_grad_row, with the exp taken as softmax_exp2 of
 // (score_scale log2 e) S - lse log2 e, as the bf16 forward does; one pass instead of five
-// saves reloading P and dS four times.
+// saves reloading P and dS four times. softcap_grad [rows, ld], where given, multiplies dS
+// (the softcap's derivative, see mask_scores_row).
 __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
     float* p_tile, const float* dp_tile, int64_t ld, int64_t rows, int64_t cols, const float* lse,
-    const float* delta, float score_scale, bool keep_probs, uint32_t* p_pairs, uint32_t* ds_pairs,
-    c10::BFloat16* ds_bf16) {
+    const float* delta, float score_scale, bool keep_probs, const float* softcap_grad,
+    uint32_t* p_pairs, uint32_t* ds_pairs, c10::BFloat16* ds_bf16) {
   const __m512 scale = _mm512_set1_ps(static_cast<float>(score_scale * kLog2e));
   const int64_t even_cols = round_up(cols, 2);
   for (int64_t r = 0; r < rows; r += 2) {
@@ -823,6 +873,10 @@ __attribute__((target("avx512bf16"))) inline void probs_and_score_grads(
         if (keep_probs) _mm512_mask_storeu_ps(p_row, lanes, probs[j]);
         const __m512 dp = _mm512_maskz_loadu_ps(lanes, dp_tile + (r + j) * ld + c);
         grads[j] = _mm512_mul_ps(probs[j], _mm512_sub_ps(dp, row_delta[j]));
+        if (softcap_grad != nullptr) {
+          grads[j] = _mm512_mul_ps(grads[j],
+                                   _mm512_maskz_loadu_ps(lanes, softcap_grad + (r + j) * ld + c));
+        }
       }
       // One conversion per 32 values: the low half holds row r, the high half row r + 1.
       const __m512i p_words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(probs[1], probs[0]));
@@ -912,12 +966,13 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
                 chunk_tile = chunk_rows * kKeyBlock;
   const int64_t ld_t = transposed_row_length(p.seq_q);
   const float scale = static_cast<float>(p.scale);
-  const bool fold_scale = p.mask.kind != MaskKind::kAdditive && scale > 0.f;
+  const bool fold_scale = !scores_modified(p) && scale > 0.f;
   // 32-bit words: packed K^T, V^T, K; fp32 P, dropped P, dP / dS of a chunk; bf16 P and dS
   // in row pairs and dS as it is (half a word each); fp32 dK^T and dV^T accumulators and the
   // staging of their transposes.
+  const bool softcap = p.mods.softcap > 0.0;
   const int64_t scratch_size = (d / 2) * kKeyBlock + (dv / 2) * kKeyBlock + kKeyBlock / 2 * d +
-                               3 * chunk_tile + 3 * chunk_tile / 2 + (d + dv) * kKeyBlock +
+                               4 * chunk_tile + 3 * chunk_tile / 2 + (d + dv) * kKeyBlock +
                                kKeyBlock * std::max(d, dv);
 
   at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
@@ -927,11 +982,12 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
     uint32_t* k_pairs = vt_pairs + dv / 2 * kKeyBlock;                     // [kKeyBlock / 2, d]
     float* p_tile =
         reinterpret_cast<float*>(k_pairs + kKeyBlock / 2 * d);  // [chunk_rows, kKeyBlock] P
-    float* pd_tile = p_tile + chunk_tile;   // [chunk_rows, kKeyBlock] P after dropout
-    float* ds_tile = pd_tile + chunk_tile;  // [chunk_rows, kKeyBlock] dP, then dS
+    float* pd_tile = p_tile + chunk_tile;             // [chunk_rows, kKeyBlock] P after dropout
+    float* ds_tile = pd_tile + chunk_tile;            // [chunk_rows, kKeyBlock] dP, then dS
+    float* softcap_grad_tile = ds_tile + chunk_tile;  // [chunk_rows, kKeyBlock]
     uint32_t* p_pairs =
-        reinterpret_cast<uint32_t*>(ds_tile + chunk_tile);  // [chunk_rows / 2, kKeyBlock] dropped P
-    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;          // [chunk_rows / 2, kKeyBlock] dS
+        reinterpret_cast<uint32_t*>(softcap_grad_tile + chunk_tile);  // [chunk_rows / 2, kKeyBlock]
+    uint32_t* ds_pairs = p_pairs + chunk_tile / 2;  // [chunk_rows / 2, kKeyBlock] dS
     scalar_t* ds_bf16 =
         reinterpret_cast<scalar_t*>(ds_pairs + chunk_tile / 2);        // [chunk_rows, kKeyBlock] dS
     float* dkt_tile = reinterpret_cast<float*>(ds_bf16 + chunk_tile);  // [d, kKeyBlock]
@@ -966,9 +1022,9 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
 
         for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
           const int64_t bh = batch * p.num_heads + head;
-          const float* lse = static_cast<const float*>(p.lse) + bh * p.seq_q;
-          const float* delta = static_cast<const float*>(p.delta) + bh * p.seq_q;
-          float* grad_q_accum = grad_q_partial_sums<float>(p, split, bh);
+          const float* lse = static_cast<const float*>(p.lse) + lse_offset(p, batch, head);
+          const float* delta = static_cast<const float*>(p.delta) + lse_offset(p, batch, head);
+          float* grad_q_accum = grad_q_partial_sums<float>(p, split, batch, head);
           const scalar_t* q_t = transposed_rows(p, w, bh);  // [d, ld_t]
           const scalar_t* grad_out_t = q_t + d * ld_t;      // [dv, ld_t]
           for (int64_t chunk0 = rows_begin; chunk0 < rows_end; chunk0 += chunk_rows) {
@@ -995,7 +1051,8 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
               float* s = p_tile + r * kKeyBlock;
               at::vec::map([scale](Vec x) { return x * Vec(scale); }, s, s, cols);
             }
-            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, chunk0, key0);
+            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, chunk0, key0,
+                                       softcap ? softcap_grad_tile : nullptr);
             // With dropout, dS = P * (dP * dropout - delta): dP takes its dropout first.
             for (int64_t r = 0; p.dropout.enabled && r < rows; ++r) {
               apply_dropout_row(ds_tile + r * kKeyBlock, cols, p.dropout, batch, head, chunk0 + r,
@@ -1004,7 +1061,9 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
             // P and dS = P * (dP - delta), in the layouts the products below take
             probs_and_score_grads(p_tile, ds_tile, kKeyBlock, rows, cols, lse + chunk0,
                                   delta + chunk0, fold_scale ? scale : 1.f,
-                                  /*keep_probs=*/p.dropout.enabled, p_pairs, ds_pairs, ds_bf16);
+                                  /*keep_probs=*/p.dropout.enabled,
+                                  softcap ? softcap_grad_tile : nullptr, p_pairs, ds_pairs,
+                                  ds_bf16);
             // dV sees the dropped probabilities: their pairs replace those of P.
             if (p.dropout.enabled) {
               const float* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout,
@@ -1053,7 +1112,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
         }
       }
       for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        float* grad_q_accum = grad_q_partial_sums<float>(p, split, batch * p.num_heads + head);
+        float* grad_q_accum = grad_q_partial_sums<float>(p, split, batch, head);
         std::fill(grad_q_accum, grad_q_accum + written_begin * d, 0.f);
         std::fill(grad_q_accum + std::max(written_begin, written_end) * d,
                   grad_q_accum + p.seq_q * d, 0.f);

@@ -598,14 +598,21 @@ __attribute__((target("avx512bf16"))) void softmax_tile_to_probs(
 // Writes a finished row: out = o / sum, and returns its logsumexp, max + log(sum) added in
 // double (the max may come in log2 units times ln 2; the log of the sum is the fp32 one:
 // the double one took 0.7% of the bf16 GQA forward). A row that saw no key has sum 0:
-// output 0 and logsumexp -inf, never NaN.
+// output 0 and logsumexp -inf, never NaN. An attention sink (a logit with no value, -inf
+// for none) joins the sum as exp(sink - max), in double: far from the scores it leaves fp32's
+// range; a row that saw no key then has the sink's logsumexp.
 template <typename scalar_t, typename acc_t>
 acc_t finish_row(const acc_t* o_row, int64_t head_dim_v, double row_max, acc_t row_sum,
-                 scalar_t* out_row) {
+                 scalar_t* out_row, double sink = -std::numeric_limits<double>::infinity()) {
   const bool empty = row_sum == acc_t(0);
-  store_row(o_row, head_dim_v, empty ? acc_t(0) : acc_t(1) / row_sum, out_row);
-  return empty ? -std::numeric_limits<acc_t>::infinity()
-               : static_cast<acc_t>(row_max + static_cast<double>(std::log(row_sum)));
+  if (empty || sink == -std::numeric_limits<double>::infinity()) {
+    store_row(o_row, head_dim_v, empty ? acc_t(0) : acc_t(1) / row_sum, out_row);
+    return empty ? static_cast<acc_t>(sink)
+                 : static_cast<acc_t>(row_max + static_cast<double>(std::log(row_sum)));
+  }
+  const double sum = static_cast<double>(row_sum) + std::exp(sink - row_max);
+  store_row(o_row, head_dim_v, static_cast<acc_t>(1.0 / sum), out_row);
+  return static_cast<acc_t>(row_max + std::log(sum));
 }
 
 template <typename Kernel>

@@ -15,7 +15,9 @@ MHA_EXT_HOST_DEVICE int64_t element_size(DType dtype) {
 }
 
 // Bytes of one lse element (the accumulation type).
-MHA_EXT_HOST_DEVICE int64_t accumulate_size(DType dtype) { return dtype == DType::kFloat64 ? 8 : 4; }
+MHA_EXT_HOST_DEVICE int64_t accumulate_size(DType dtype) {
+  return dtype == DType::kFloat64 ? 8 : 4;
+}
 
 // Element index of row 0 of (batch, head) in lse, delta and grad_lse.
 MHA_EXT_HOST_DEVICE int64_t lse_offset(const AttentionForwardParams& p, int64_t batch,
@@ -86,14 +88,14 @@ MHA_EXT_HOST_DEVICE AttentionBackwardParams sequence_params(const AttentionBackw
   }
   const int64_t size = element_size(p.dtype), acc_size = accumulate_size(p.dtype);
   const int64_t lse_row = sequence * p.lse_batch_stride + q_row;
-  s.grad_out = advance(p.grad_out, (sequence * p.grad_out_strides.batch +
-                                    q_row * p.grad_out_strides.row) * size);
-  s.grad_q = advance(p.grad_q, (sequence * p.grad_q_strides.batch +
-                                q_row * p.grad_q_strides.row) * size);
-  s.grad_k = advance(p.grad_k, (sequence * p.grad_k_strides.batch +
-                                k_row * p.grad_k_strides.row) * size);
-  s.grad_v = advance(p.grad_v, (sequence * p.grad_v_strides.batch +
-                                k_row * p.grad_v_strides.row) * size);
+  s.grad_out = advance(
+      p.grad_out, (sequence * p.grad_out_strides.batch + q_row * p.grad_out_strides.row) * size);
+  s.grad_q =
+      advance(p.grad_q, (sequence * p.grad_q_strides.batch + q_row * p.grad_q_strides.row) * size);
+  s.grad_k =
+      advance(p.grad_k, (sequence * p.grad_k_strides.batch + k_row * p.grad_k_strides.row) * size);
+  s.grad_v =
+      advance(p.grad_v, (sequence * p.grad_v_strides.batch + k_row * p.grad_v_strides.row) * size);
   if (p.grad_lse != nullptr) s.grad_lse = advance(p.grad_lse, lse_row * acc_size);
   s.delta = advance(p.delta, lse_row * acc_size);
   if (p.grad_q_accum != nullptr) {

@@ -1,0 +1,51 @@
+"""The variants and varlen benchmark suites run and report what they promise."""
+
+import json
+import subprocess
+import sys
+
+from mha_ext.bench import suites
+
+
+def test_varlen_document_lengths_fill_the_tokens_log_uniformly():
+    lengths = suites.varlen_document_lengths(16384)
+    assert sum(lengths) == 16384
+    assert all(0 < n <= 4096 for n in lengths)
+    assert all(n >= 64 for n in lengths[:-1])  # only the trimmed last one may be shorter
+    assert len(set(lengths)) > len(lengths) // 2  # drawn, not one repeated length
+
+
+def test_variants_and_varlen_suites_write_json_and_tables(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_ext.bench",
+            "--suite",
+            "variants",
+            "varlen",
+            "--seq",
+            "128",
+            "--varlen-tokens",
+            "1024",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads((tmp_path / "results.json").read_text())
+    variants = [r for r in data["results"] if r["suite"] == "variants"]
+    assert len(variants) == 2 * len(suites.VARIANTS)  # forward and forward + backward
+    assert all(r["baseline"] == "mha_ext_plain" for r in variants)
+    assert all(set(r["results"]) == {"mha_ext", "mha_ext_plain"} for r in variants)
+    varlen = [r for r in data["results"] if r["suite"] == "varlen"]
+    assert [r["params"]["layout"] for r in varlen] == ["packed", "uniform"]
+    assert all(set(r["results"]) == {"mha_ext", "torch_sdpa"} for r in varlen)
+    assert "packed documents run at" in result.stdout
