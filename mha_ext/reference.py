@@ -5,7 +5,7 @@ the kernel's dtype to measure how far plain PyTorch lands from float64. The naiv
 the seed tutorial's, with GQA by repeating K/V heads the textbook way.
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,23 @@ def attention_reference(
     attn_mask: Optional[Tensor] = None,
     dropout_keep: Optional[Tensor] = None,
     dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of mha_ext.attention computed with explicit (B, H, Sq, Sk) scores.
 
     Same arguments as mha_ext.attention, except that dropout takes the bool keep-mask
     (B, H, Sq, Sk) to apply (see mha_ext.dropout_mask) instead of drawing one.
-    Computes in q's dtype: pass float64 tensors for the ground truth.
+    Computes in q's dtype: pass float64 tensors for the ground truth. As FlashAttention's
+    reference does, ALiBi and sinks lift the scores to the dtype of the slopes and sinks (the
+    kernels' accumulation dtype), and the probabilities go back to v's dtype for the product.
+
+    The score of query i and key j: s = scale * q_i . k_j, then softcap * tanh(s / softcap)
+    for softcap > 0, then ALiBi's -slope[b, h] * |i + shift - j| (slopes (H,) or (B, H)),
+    then the masks. sinks (H,) join every row's softmax denominator without a value; a row
+    that sees no key gets out 0 and lse = its head's sink (-inf without sinks). Differentiable
+    in q, k, v and sinks.
     """
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -37,10 +48,18 @@ def attention_reference(
     v = v.repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
     scale = head_dim**-0.5 if scale is None else scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
 
     # Query i sits on key diagonal i + shift; the window keeps keys
     # diagonal - left .. diagonal + right, causal forcing right = 0.
     shift = 0 if causal == "top_left" else seq_k - seq_q
+    if alibi_slopes is not None:
+        query_index = torch.arange(seq_q, device=q.device)[:, None]
+        key_index = torch.arange(seq_k, device=q.device)[None, :]
+        distance = (query_index + shift - key_index).abs().to(alibi_slopes.dtype)  # (Sq, Sk)
+        slopes = alibi_slopes.reshape(-1, heads)[..., None, None]  # (B or 1, H, 1, 1)
+        scores = scores - slopes * distance
     left, right = window if window is not None else (None, None)
     left = None if left == -1 else left
     right = None if right == -1 else right
@@ -58,13 +77,80 @@ def attention_reference(
         else:
             scores = scores + attn_mask
 
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq)
-    # Rows that see no key: softmax would give NaN (and NaN gradients); define them as 0.
-    empty_rows = (lse == float("-inf"))[..., None]
-    probs = F.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1).masked_fill(empty_rows, 0.0)
+    if sinks is None:
+        lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq)
+        # Rows that see no key: softmax would give NaN (and NaN gradients); define them as 0.
+        empty_rows = (lse == float("-inf"))[..., None]
+        probs = F.softmax(scores.masked_fill(empty_rows, 0.0), dim=-1)
+        probs = probs.masked_fill(empty_rows, 0.0)
+    else:
+        # The sink is one more logit per row, (B, H, Sq, 1), whose probability is dropped. It
+        # keeps every lse finite, so exp(-inf - lse) = 0 needs no special case.
+        sink_logits = sinks.reshape(1, heads, 1, 1).expand(batch, heads, seq_q, 1)
+        scores = scores.to(torch.promote_types(scores.dtype, sinks.dtype))
+        lse = torch.logsumexp(torch.cat([scores, sink_logits.to(scores.dtype)], dim=-1), dim=-1)
+        probs = torch.exp(scores - lse[..., None])
     if dropout_keep is not None:
         probs = probs * dropout_keep / (1.0 - dropout_p)
-    return torch.matmul(probs, v), lse
+    return torch.matmul(probs.to(v.dtype), v), lse
+
+
+def _as_batch_one(packed: Tensor, rows: slice) -> Tensor:
+    """Rows of a packed (total, H, D) tensor as a dense (1, H, S, D) view."""
+    return packed[rows].transpose(0, 1).unsqueeze(0)
+
+
+def attention_varlen_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: Optional[str] = None,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    dropout_keep: Optional[Sequence[Tensor]] = None,
+    dropout_p: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of mha_ext.attention_varlen: each sequence alone through attention_reference.
+
+    q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); sequence b owns q rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] and the first seqused_k[b] (default: all) of its
+    k/v rows cu_seqlens_k[b]:cu_seqlens_k[b + 1], so its causal diagonal and ALiBi distances
+    use those lengths. alibi_slopes (H,) or (batch, H); dropout_keep, if given, one bool
+    keep-mask (1, H, Sq_b, Sk_b) per sequence. Returns out (total_q, H, Dv) in q's dtype and
+    lse (H, total_q), as the packed op lays them out. Needs batch >= 1.
+    """
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(starts_q) - 1):
+        q_rows = slice(starts_q[b], starts_q[b + 1])
+        used_k = starts_k[b + 1] - starts_k[b] if seqused_k is None else int(seqused_k[b])
+        k_rows = slice(starts_k[b], starts_k[b] + used_k)
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[b]
+        out, lse = attention_reference(
+            _as_batch_one(q, q_rows),
+            _as_batch_one(k, k_rows),
+            _as_batch_one(v, k_rows),
+            causal=causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            sinks=sinks,
+            dropout_keep=None if dropout_keep is None else dropout_keep[b],
+            dropout_p=dropout_p,
+        )
+        outs.append(out[0].transpose(0, 1))  # (Sq_b, H, Dv)
+        lses.append(lse[0])  # (H, Sq_b)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def paged_attention_reference(
