@@ -57,11 +57,15 @@ TORCH_LIBRARY(mha_ext, m) {
   // Attention of packed queries q [total_q, num_heads, head_dim] over paged caches: sequence
   // b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b+1]), reads its seq_lens[b] cached tokens
   // (the new ones included) through block_tables[b], and its queries are its last tokens
-  // (causal, bottom-right). All index tensors int32. Returns out [total_q, num_heads,
-  // head_dim_v] and lse [total_q, num_heads] (fp32; fp64 for fp64).
+  // (causal, bottom-right). All index tensors int32. Query at position p (seq_len - n_q + i)
+  // sees keys [p - window_left, p] (-1: unbounded); softcap, alibi_slopes ([heads] or [batch,
+  // heads], distance p - j) and sinks ([heads], in lse) as for attention_forward. Returns out
+  // [total_q, num_heads, head_dim_v] and lse [total_q, num_heads] (fp32; fp64 for fp64).
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor cu_seqlens_q, float scale) -> (Tensor out, Tensor lse)");
+      "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int window_left=-1, "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None) "
+      "-> (Tensor out, Tensor lse)");
 
   // Combines two attentions over disjoint key sets, out_* [..., head_dim] with their
   // logsumexps lse_* [...], into the attention over both. An empty side (lse -inf) drops out.

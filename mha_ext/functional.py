@@ -392,6 +392,10 @@ def paged_attention(
     *,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention for a batch of sequences of different lengths over a paged cache.
 
@@ -405,10 +409,48 @@ def paged_attention(
             tokens of their sequence and attend causally (bottom-right).
         scale: default 1 / sqrt(head_dim).
         return_lse: also return the logsumexp (total_q, num_heads), fp32 (fp64 for fp64).
+        window: (left, right): the query at position p sees keys [p - left, p] (Mistral's
+            sliding window); left None or -1 is unbounded, right must be None, -1 or 0.
+        softcap: > 0 replaces each scaled score s by softcap * tanh(s / softcap) (Gemma 2).
+        alibi_slopes: (num_heads,) or (batch, num_heads): adds -slope * (p - j) for key j.
+        sinks: (num_heads,) attention-sink logits joining each softmax denominator (gpt-oss).
     """
+    fn = "mha_ext.paged_attention"
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, lse = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    out, lse = ops.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        _paged_window_left(window, fn),
+        float(softcap),
+        _head_values(alibi_slopes, q, "alibi_slopes", fn),
+        _head_values(sinks, q, "sinks", fn),
+    )
     return (out, lse) if return_lse else out
+
+
+def _paged_window_left(window, fn: str) -> int:
+    """window_left of paged attention's op from window = (left, right); the queries attend
+    causally, so the right side may only be unbounded or 0."""
+    if window is None:
+        return -1
+    sides = tuple(window) if isinstance(window, (tuple, list)) else None
+    valid = (
+        sides is not None
+        and len(sides) == 2
+        and (sides[0] is None or (isinstance(sides[0], int) and sides[0] >= -1))
+        and sides[1] in (None, -1, 0)
+    )
+    if not valid:
+        raise ValueError(
+            f"{fn}: window must be a pair (left, right) with left an int >= 0 or None / -1 "
+            f"(unbounded) and right None, -1 or 0 (the queries attend causally), got {window!r}"
+        )
+    return -1 if sides[0] is None else sides[0]
 
 
 def merge_attention_states(

@@ -120,12 +120,18 @@ def paged_attention(
     seq_lens: Tensor,
     cu_seqlens_q: Tensor,
     scale: float,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Attention of packed queries over paged caches; returns (out, lse)."""
+    """Attention of packed queries over paged caches; returns (out, lse). See csrc/ops.cpp
+    for the argument contract."""
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    if calls_directly(tensors):
-        return _C.paged_attention(*tensors, scale)
-    return _ops.paged_attention.default(*tensors, scale)
+    args = (*tensors, scale, window_left, softcap, alibi_slopes, sinks)
+    if calls_directly(tensors + (alibi_slopes, sinks)):
+        return _C.paged_attention(*args)
+    return _ops.paged_attention.default(*args)
 
 
 def merge_attention_states(
@@ -180,7 +186,19 @@ def _paged_kv_append_fake(key, value, k_cache, v_cache, slot_mapping):
 
 
 @torch.library.register_fake("mha_ext::paged_attention")
-def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+def _paged_attention_fake(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    scale,
+    window_left=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
+):
     total_q, heads, _ = q.shape
     out = q.new_empty(total_q, heads, v_cache.shape[-1])
     return out, q.new_empty(total_q, heads, dtype=lse_dtype(q.dtype))

@@ -13,7 +13,7 @@ import torch
 from feature_reference import featured_attention, featured_attention_varlen
 
 import mha_ext  # noqa: F401  (loads torch.ops.mha_ext, the CPU side of every comparison)
-from mha_ext.reference import attention_reference
+from mha_ext.reference import attention_reference, paged_attention_reference
 
 from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule, random_qkv, seeded_generator
 
@@ -203,7 +203,9 @@ def test_paged_ops_match_the_cpu(emulated):
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     for num_sms in (1, 64):
         emulated.set_multiprocessor_count(num_sms)
-        out, lse = emulated.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.25)
+        out, lse = emulated.paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, cu, 0.25, -1, 0.0, None, None
+        )
         expected, expected_lse = torch.ops.mha_ext.paged_attention(
             q, k_cache, v_cache, tables, seq_lens, cu, 0.25
         )
@@ -230,6 +232,55 @@ def test_paged_ops_match_the_cpu(emulated):
         torch.ops.mha_ext.merge_attention_states(out_a, lse_a, out_b, lse_b),
     ):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("feature", ["window", "softcap", "alibi", "sinks", "all"])
+def test_paged_score_features_match_the_cpu_and_the_reference(emulated, feature, dtype):
+    # GQA 8/2, decode and a 20-query chunk, with 1 "SM" (whole keys) and 64 (2 key splits,
+    # the sink joined once in their merge; "all" has a window of 530 keys, wide enough to
+    # split). Every cached row before each sequence's window is NaN: the kernel must not
+    # read it.
+    from test_paged import build_paged, feature_arguments, window_start
+
+    lengths, queries = [9, 600], [1, 20]
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(lengths, queries, 8, 2, 32, 16)
+    q, k_cache, v_cache = q.to(dtype), k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    arguments = feature_arguments(feature, 8, len(lengths))
+    if feature == "alibi":
+        arguments = feature_arguments("alibi_per_sequence", 8, len(lengths))
+    if feature == "all":
+        arguments["window"] = (530, 0)
+    for b, n in enumerate(lengths):
+        outside = torch.arange(window_start(n, queries[b], arguments.get("window")))
+        slots = mha_ext.slot_mapping_for(tables[b], outside, 16)
+        k_cache[slots // 16, :, slots % 16] = float("nan")
+        v_cache[slots // 16, :, slots % 16] = float("nan")
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    window = arguments.get("window")
+    options = (
+        -1 if window is None or window[0] is None else window[0],
+        arguments.get("softcap", 0.0),
+        *(
+            arguments[name].to(lse_dtype) if name in arguments else None
+            for name in ("alibi_slopes", "sinks")
+        ),
+    )
+    index, scale = (tables, seq_lens, cu), 32**-0.5
+    ref, ref_lse = paged_attention_reference(q.double(), k_cache, v_cache, *index, **arguments)
+    plain, _ = paged_attention_reference(q, k_cache, v_cache, *index, **arguments)
+    expected, expected_lse = torch.ops.mha_ext.paged_attention(
+        q, k_cache, v_cache, *index, scale, *options
+    )
+    for num_sms in (1, 64):
+        emulated.set_multiprocessor_count(num_sms)
+        out, lse = emulated.paged_attention(q, k_cache, v_cache, *index, scale, *options)
+        assert_within_rule(out, ref, plain, OUTPUT_FACTOR, f"{feature}, {num_sms} SMs")
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "simt"])
@@ -274,7 +325,9 @@ def test_paged_mqa_groups_wider_than_a_row_tile(emulated, block_size):
     )
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     emulated.set_multiprocessor_count(8)
-    out, lse = emulated.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, 0.125)
+    out, lse = emulated.paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, cu, 0.125, -1, 0.0, None, None
+    )
     expected, expected_lse = torch.ops.mha_ext.paged_attention(
         q, k_cache, v_cache, tables, seq_lens, cu, 0.125
     )

@@ -8,7 +8,7 @@ import torch
 
 import mha_ext
 from mha_ext.models import CausalLM
-from mha_ext.reference import attention_reference
+from mha_ext.reference import attention_reference, paged_attention_reference
 
 from conftest import OUTPUT_FACTOR, assert_within_rule, seeded_generator
 
@@ -295,6 +295,214 @@ def test_paged_attention_argument_errors(host_index_checks):
         )
 
 
+# ---------------------------------------------------------------- window, softcap, ALiBi, sinks
+
+
+def feature_arguments(feature, heads, batch):
+    """paged_attention's keyword arguments for one feature (or "all" of them), in fp32: the
+    kernels take slopes and sinks in the accumulation dtype, functional converts them."""
+    generator = seeded_generator(11)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)  # ALiBi's geometric slopes
+    arguments = {
+        "window": dict(window=(37, 0)),
+        "softcap": dict(softcap=1.5),
+        "alibi": dict(alibi_slopes=slopes),
+        "alibi_per_sequence": dict(
+            alibi_slopes=torch.rand(batch, heads, generator=generator) * 0.3
+        ),
+        "sinks": dict(sinks=torch.randn(heads, generator=generator) * 2.0),
+    }
+    if feature == "all":
+        return dict(window=(53, None), softcap=1.5, alibi_slopes=slopes, sinks=2.0 + slopes)
+    return arguments[feature]
+
+
+def as_layout(cache, layout):
+    """The same cache as a (num_blocks, block_size, kv_heads, dim) tensor viewed as HND."""
+    return cache if layout == "HND" else cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def window_start(seq_len, num_queries, window):
+    """The first key a sequence's first query sees."""
+    left = window[0] if window is not None else None
+    return 0 if left in (None, -1) else max(0, seq_len - num_queries - left)
+
+
+def check_features_against_reference(
+    lengths,
+    queries,
+    heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    arguments,
+    layout="HND",
+    poison_outside_window=False,
+):
+    """paged_attention with `arguments` against the float64 paged reference, by the accuracy
+    rule. poison_outside_window: NaN in every cached row before each sequence's window, which
+    neither the kernel nor the reference may read."""
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged(
+        lengths, queries, heads, kv_heads, head_dim, block_size, dtype
+    )
+    if poison_outside_window:
+        for b, n in enumerate(lengths):
+            outside = torch.arange(window_start(n, queries[b], arguments.get("window")))
+            slots = mha_ext.slot_mapping_for(tables[b], outside, block_size)
+            k_cache[slots // block_size, :, slots % block_size] = float("nan")
+            v_cache[slots // block_size, :, slots % block_size] = float("nan")
+    k_cache, v_cache = as_layout(k_cache, layout), as_layout(v_cache, layout)
+    index = (tables, seq_lens, cu)
+    out, lse = mha_ext.paged_attention(q, k_cache, v_cache, *index, return_lse=True, **arguments)
+    ref, ref_lse = paged_attention_reference(q.double(), k_cache, v_cache, *index, **arguments)
+    plain, _ = paged_attention_reference(q, k_cache, v_cache, *index, **arguments)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert_within_rule(out, ref, plain, OUTPUT_FACTOR, f"{sorted(arguments)} output")
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    return out, lse
+
+
+FEATURES = ["window", "softcap", "alibi", "alibi_per_sequence", "sinks", "all"]
+PAGED_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", PAGED_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("mode", ["decode", "chunked_prefill"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_score_features_match_reference(feature, mode, layout, dtype):
+    # GQA 8/2: a decode tile is a kv head's 4 query heads (the direct path), a prefill chunk
+    # of 17 or 70 queries goes through gathered tiles. Windows of 37 and 53 keys start inside
+    # tiles and blocks, and the 300-token sequence's first key tiles lie wholly before them.
+    lengths = [1, 40, 300]
+    queries = [1, 1, 1] if mode == "decode" else [1, 17, 70]
+    arguments = feature_arguments(feature, 8, len(lengths))
+    check_features_against_reference(lengths, queries, 8, 2, 64, 16, dtype, arguments, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("heads", [(8, 1), (8, 8)], ids=["mqa", "mha"])
+def test_every_direct_row_count_with_all_features(dtype, heads):
+    # Chunks of 1..9 queries of one kv head's heads: every direct-path kernel and the
+    # gathered one, each with the window, softcap, ALiBi and sinks together.
+    queries = list(range(1, 10))
+    lengths = [q + 90 for q in queries]
+    arguments = feature_arguments("all", heads[0], len(lengths))
+    check_features_against_reference(lengths, queries, *heads, 40, 16, dtype, arguments)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("feature", ["window", "sinks", "all"])
+def test_key_splits_with_features(feature, layout, dtype):
+    # At 4 threads one sequence's tasks leave threads idle, so its keys split (blocking.h:
+    # plan_paged_tasks): decode of 3000 tokens with a 1500-key window, 5 splits of the 1501
+    # keys it sees; a 40-query chunk over 2500 tokens, 4 splits. The sink joins each row once,
+    # in the merge of the splits.
+    arguments = feature_arguments(feature, 8, 1)
+    if "window" in arguments:
+        arguments["window"] = (1500, 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        check_features_against_reference([3000], [1], 8, 1, 64, 16, dtype, arguments, layout)
+        check_features_against_reference([2500], [40], 8, 2, 64, 16, dtype, arguments, layout)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("mode", ["decode", "chunked_prefill"])
+def test_window_skips_the_blocks_before_it(mode, threads):
+    # Every cached row before each sequence's window holds NaN: a kernel that read one of
+    # them (and masked its score) would still carry the NaN into the output through P V.
+    lengths = [2000, 700, 90]
+    queries = [1, 1, 1] if mode == "decode" else [30, 5, 90]
+    arguments = dict(window=(300, 0), sinks=torch.linspace(-1.0, 1.0, 8))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_features_against_reference(
+            lengths, queries, 8, 2, 64, 16, torch.float32, arguments, poison_outside_window=True
+        )
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_window_wider_than_the_context_changes_nothing():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
+    plain = mha_ext.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, return_lse=True)
+    for window in [(10_000, 0), (None, 0), (-1, -1), (49, None)]:
+        windowed = mha_ext.paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, cu, return_lse=True, window=window
+        )
+        assert all(torch.equal(a, b) for a, b in zip(windowed, plain)), window
+
+
+def test_sinks_of_minus_infinity_change_nothing_and_large_ones_take_all_weight():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
+    index = (tables, seq_lens, cu)
+    out, lse = mha_ext.paged_attention(q, k_cache, v_cache, *index, return_lse=True)
+    none = torch.full((4,), float("-inf"))
+    out_none, lse_none = mha_ext.paged_attention(
+        q, k_cache, v_cache, *index, return_lse=True, sinks=none
+    )
+    torch.testing.assert_close(out_none, out, rtol=0, atol=0)
+    torch.testing.assert_close(lse_none, lse, rtol=0, atol=0)
+    huge = torch.full((4,), 200.0)  # e^200 outweighs every score: the output goes to 0
+    out_huge, lse_huge = mha_ext.paged_attention(
+        q, k_cache, v_cache, *index, return_lse=True, sinks=huge
+    )
+    assert out_huge.abs().max() < 1e-30 and torch.allclose(lse_huge, torch.full_like(lse, 200.0))
+
+
+def test_paged_feature_argument_errors():
+    q, k_cache, v_cache, tables, seq_lens, cu, _, _ = build_paged([20, 50], [1, 4], 4, 2, 32, 8)
+    args = (q, k_cache, v_cache, tables, seq_lens, cu)
+    attend, op = mha_ext.paged_attention, torch.ops.mha_ext.paged_attention
+    for softcap, shown in ((-1.0, "-1"), (float("inf"), "inf"), (float("nan"), "nan")):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"paged_attention: softcap must be finite and >= 0 \(0 = no softcap\), "
+            rf"got {shown}",
+        ):
+            attend(*args, softcap=softcap)
+    with pytest.raises(
+        RuntimeError, match=r"window_left must be -1 \(unbounded\) or >= 0, got window_left -2"
+    ):
+        op(*args, 0.2, -2)
+    for window in [(-2, 0), (8, 3), (8,), 8, (8.0, 0)]:
+        with pytest.raises(ValueError, match=r"paged_attention: window must be a pair"):
+            attend(*args, window=window)
+    with pytest.raises(
+        RuntimeError,
+        match=r"alibi_slopes must have shape \[4\] \(heads\) or \[2, 4\] \(batch, heads\), "
+        r"got \[3\]",
+    ):
+        attend(*args, alibi_slopes=torch.ones(3))
+    with pytest.raises(
+        RuntimeError,
+        match=r"alibi_slopes must be a torch.float32 tensor on \S+ for torch.float32 q, got "
+        r"torch.float64 on \S+",
+    ):
+        op(*args, 0.2, -1, 0.0, torch.ones(4, dtype=torch.float64))
+    with pytest.raises(
+        RuntimeError, match=r"alibi_slopes must be contiguous along the heads, got strides"
+    ):
+        op(*args, 0.2, -1, 0.0, torch.ones(4, 2)[:, 0])
+    with pytest.raises(RuntimeError, match=r"sinks must have shape \[4\] \(heads\), got \[2, 4\]"):
+        attend(*args, sinks=torch.zeros(2, 4))
+    with pytest.raises(
+        RuntimeError,
+        match=r"sinks must be a torch.float32 tensor on \S+ for torch.float32 q, got "
+        r"torch.bfloat16 on \S+",
+    ):
+        op(*args, 0.2, -1, 0.0, None, torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"paged_attention: sinks must be a floating-point tensor"):
+        attend(*args, sinks=torch.zeros(4, dtype=torch.int64))
+
+
 # ---------------------------------------------------------------- merging states
 
 
@@ -358,6 +566,11 @@ def test_paged_ops_opcheck():
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     torch.library.opcheck(
         torch.ops.mha_ext.paged_attention.default, (q, k_cache, v_cache, tables, seq_lens, cu, 0.2)
+    )
+    features = (8, 1.5, torch.rand(2, 4), torch.randn(4))  # window_left, softcap, slopes, sinks
+    torch.library.opcheck(
+        torch.ops.mha_ext.paged_attention.default,
+        (q, k_cache, v_cache, tables, seq_lens, cu, 0.2, *features),
     )
     torch.library.opcheck(
         torch.ops.mha_ext.paged_kv_append.default,

@@ -200,7 +200,7 @@ def test_direct_calls_name_an_argument_of_the_wrong_type():
     with pytest.raises(OverflowError, match=r"int too big to convert"):  # Python's own, past int64
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 2**64, -1, False)
     with pytest.raises(
-        TypeError, match=r"mha_ext.paged_attention takes 7 positional arguments, got 6"
+        TypeError, match=r"mha_ext.paged_attention takes 7 to 11 positional arguments, got 6"
     ):
         mha_ext._C.paged_attention(q[0], k, v, None, None, None)
 

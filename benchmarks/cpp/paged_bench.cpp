@@ -65,7 +65,8 @@ void paged_decode(benchmark::State& state) {
   at::Tensor cu_seqlens = at::arange(step.batch + 1, at::kInt);
   PagedAttentionParams params = make_paged_attention_params(
       step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
-      1.0 / std::sqrt(static_cast<double>(step.head_dim)), cpu::Backend::kIndicesOnHost);
+      1.0 / std::sqrt(static_cast<double>(step.head_dim)), /*window_left=*/-1, /*softcap=*/0.0,
+      /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, cpu::Backend::kIndicesOnHost);
   const auto plan = cpu::Backend::plan(params, step.q);  // the op's plan
   const PagedAttentionTensors tensors = allocate_paged_tensors(params, step.q);
   for (auto _ : state) {

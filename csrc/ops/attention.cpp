@@ -80,7 +80,7 @@ struct AttentionAutograd<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c
           restored_options(ctx, saved, std::index_sequence_for<Options...>{}));
       variable_list result = {grad_q, grad_k, grad_v};
       result.resize(3 + sizeof...(Options));  // no gradient for the other options
-      if (grad_sinks.numel() > 0) result[sinks_position()] = grad_sinks;
+      if (grad_sinks.sym_numel() > 0) result[sinks_position()] = grad_sinks;
       return result;
     }
   };

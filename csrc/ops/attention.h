@@ -96,23 +96,6 @@ inline AttnMaskParams make_mask_params(const at::Tensor& mask, const at::Tensor&
 
 }  // namespace attention_detail
 
-// Checks one optional fp32 (fp64 for fp64 q) tensor of per-head values on q's device whose
-// shape is one of `shapes`, with contiguous heads.
-inline void check_head_values(const at::Tensor& t, const char* name, const at::Tensor& q,
-                              std::initializer_list<std::vector<int64_t>> shapes,
-                              const char* shape_names) {
-  using namespace attention_detail;
-  const at::ScalarType dtype = accumulate_dtype(q.scalar_type());
-  TORCH_CHECK(t.scalar_type() == dtype && t.device() == q.device(), kOp, name, " must be a ",
-              dtype_name(dtype), " tensor on ", q.device(), " for ", dtype_name(q.scalar_type()),
-              " q, got ", dtype_name(t.scalar_type()), " on ", t.device());
-  bool shape_ok = false;
-  for (const auto& shape : shapes) shape_ok = shape_ok || t.sizes() == at::IntArrayRef(shape);
-  TORCH_CHECK(shape_ok, kOp, name, " must have shape ", shape_names, ", got ", t.sizes());
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, kOp, name,
-              " must be contiguous along the heads, got strides ", t.strides());
-}
-
 // Checks a packed call's index tensors (and, where the backend reads indices on the host,
 // their values) and fills the params' varlen fields, batch and longest lengths.
 inline void fill_varlen_params(AttentionForwardParams& p, const at::Tensor& q, const at::Tensor& k,
@@ -274,13 +257,13 @@ inline AttentionForwardParams make_attention_params(
   p.dropout = make_dropout_params(dropout_p, dropout_p > 0.0 ? &*dropout_seed : nullptr);
   p.mods.softcap = softcap;
   if (alibi_slopes.has_value()) {
-    check_head_values(*alibi_slopes, "alibi_slopes", q, {{p.num_heads}, {p.batch, p.num_heads}},
-                      "(heads) or (batch, heads)");
+    check_per_head_values(kOp, *alibi_slopes, "alibi_slopes", q,
+                          {{p.num_heads}, {p.batch, p.num_heads}}, "(heads) or (batch, heads)");
     p.mods.alibi_slopes = alibi_slopes->data_ptr();
     p.mods.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
   }
   if (sinks.has_value()) {
-    check_head_values(*sinks, "sinks", q, {{p.num_heads}}, "(heads)");
+    check_per_head_values(kOp, *sinks, "sinks", q, {{p.num_heads}}, "(heads)");
     p.sinks = sinks->data_ptr();
   }
   // lse: [batch, heads, seq_q], or [heads, total_q] packed.

@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <tuple>
 
 #include "mha_ext/paged_params.h"
@@ -158,7 +160,9 @@ void paged_kv_append(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 inline PagedAttentionParams make_paged_attention_params(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-    double scale, bool indices_on_host) {
+    double scale, int64_t window_left, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    bool indices_on_host) {
   using namespace paged_detail;
   check_rank(kPagedOp, q, "q", 3, "[total_q, num_heads, head_dim]");
   check_caches(kPagedOp, k_cache, v_cache);
@@ -187,6 +191,21 @@ inline PagedAttentionParams make_paged_attention_params(
               "cu_seqlens_q must have shape [", batch + 1, "] (batch + 1), got ",
               cu_seqlens_q.sizes());
   TORCH_CHECK(std::isfinite(scale), kPagedOp, "scale must be finite, got ", scale);
+  TORCH_CHECK(window_left >= -1, kPagedOp,
+              "window_left must be -1 (unbounded) or >= 0, got window_left ", window_left);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, kPagedOp,
+              "softcap must be finite and >= 0 (0 = no softcap), got ", softcap);
+  const int64_t heads = q.size(1);
+  if (alibi_slopes.has_value()) {
+    const std::string shapes =
+        c10::str("[", heads, "] (heads) or [", batch, ", ", heads, "] (batch, heads)");
+    check_per_head_values(kPagedOp, *alibi_slopes, "alibi_slopes", q, {{heads}, {batch, heads}},
+                          shapes.c_str());
+  }
+  if (sinks.has_value()) {
+    const std::string shape = c10::str("[", heads, "] (heads)");
+    check_per_head_values(kPagedOp, *sinks, "sinks", q, {{heads}}, shape.c_str());
+  }
 
   PagedAttentionParams p;
   p.dtype = to_dtype(q.scalar_type(), kPagedOp, "q");
@@ -210,6 +229,13 @@ inline PagedAttentionParams make_paged_attention_params(
   p.k_cache_strides = cache_strides(k_cache);
   p.v_cache_strides = cache_strides(v_cache);
   p.scale = scale;
+  p.window_left = window_left;
+  p.mods.softcap = softcap;
+  if (alibi_slopes.has_value()) {
+    p.mods.alibi_slopes = alibi_slopes->data_ptr();
+    p.mods.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+  }
+  if (sinks.has_value()) p.sinks = sinks->data_ptr();
   if (indices_on_host) {
     std::tie(p.max_queries_per_seq, p.max_seq_len) = check_paged_index_values(
         p, p.block_tables, p.block_table_stride, p.seq_lens, p.cu_seqlens_q);
@@ -257,13 +283,14 @@ inline PagedAttentionTensors allocate_paged_tensors(PagedAttentionParams& params
 }
 
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                                   const at::Tensor& v_cache,
-                                                   const at::Tensor& block_tables,
-                                                   const at::Tensor& seq_lens,
-                                                   const at::Tensor& cu_seqlens_q, double scale) {
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+    double scale, int64_t window_left, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   PagedAttentionParams params = make_paged_attention_params(
-      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, Backend::kIndicesOnHost);
+      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window_left, softcap,
+      alibi_slopes, sinks, Backend::kIndicesOnHost);
   const auto plan = Backend::plan(params, q);  // sets num_kv_splits
   const PagedAttentionTensors tensors = allocate_paged_tensors(params, q);
   Backend::run(params, plan);

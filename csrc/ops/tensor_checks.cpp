@@ -54,6 +54,20 @@ void check_index_tensor(const char* op, const at::Tensor& t, const char* name, a
               device);
 }
 
+void check_per_head_values(const char* op, const at::Tensor& t, const char* name,
+                           const at::Tensor& q, std::initializer_list<std::vector<int64_t>> shapes,
+                           const char* shape_names) {
+  const at::ScalarType dtype = accumulate_dtype(q.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dtype && t.device() == q.device(), op, name, " must be a ",
+              dtype_name(dtype), " tensor on ", q.device(), " for ", dtype_name(q.scalar_type()),
+              " q, got ", dtype_name(t.scalar_type()), " on ", t.device());
+  bool shape_ok = false;
+  for (const auto& shape : shapes) shape_ok = shape_ok || t.sizes() == at::IntArrayRef(shape);
+  TORCH_CHECK(shape_ok, op, name, " must have shape ", shape_names, ", got ", t.sizes());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, name,
+              " must be contiguous along the heads, got strides ", t.strides());
+}
+
 RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 TokenStrides token_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1)}; }

@@ -4,7 +4,9 @@
 // strides the params structs take.
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "mha_ext/attention_params.h"
 #include "mha_ext/paged_params.h"
@@ -41,6 +43,13 @@ void check_same_dtype(const char* op, const at::Tensor& a, const char* a_name, c
 // An index tensor has `dtype` and lives on `device` (the cache's).
 void check_index_tensor(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype,
                         const at::Device& device);
+
+// A tensor of per-head values (ALiBi slopes, sink logits) in q's accumulation dtype (fp32, fp64
+// for fp64 q), on q's device, of one of `shapes` (named by shape_names, e.g. "[heads] or
+// [batch, heads]") and contiguous along its last dim (the heads).
+void check_per_head_values(const char* op, const at::Tensor& t, const char* name,
+                           const at::Tensor& q, std::initializer_list<std::vector<int64_t>> shapes,
+                           const char* shape_names);
 
 // Strides of dims 0..2 of a 4-D tensor whose last dim is contiguous.
 RowStrides row_strides(const at::Tensor& t);

@@ -75,6 +75,13 @@ NAIVE_MAX_SEQ = 1024
 # llama2-70b forward + backward of it takes over a minute.
 NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
+# The decode suite's cases with score features, 32 query / 8 kv heads x 128, at each of the
+# suite's contexts: a Mistral-style sliding window of that many keys over a context this many
+# times longer (4096 over 32k at the full run's 4096: the window's keys are all a step reads,
+# the bytes of the plain case of that context), and Gemma 2's logit softcap of 50 with
+# gpt-oss-style sinks.
+WINDOW_CONTEXT_FACTOR = 8
+SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 # The step name of a case's roofline probe among its contenders' (run_case).
 ROOFLINE_PROBE = "roofline_probe"
@@ -191,13 +198,31 @@ def attention_case(
 
 
 def _decode_case(
-    name, heads, kv_heads, head_dim, context, dtype, device, batch=DECODE_BATCH, block_size=16
+    name,
+    heads,
+    kv_heads,
+    head_dim,
+    context,
+    dtype,
+    device,
+    batch=DECODE_BATCH,
+    block_size=16,
+    window=None,
+    softcap=0.0,
+    sinks=False,
 ) -> Case:
     """One decode step of one layer. A model's step reads every layer's cache once, so on a CPU
     the steps cycle through enough layers that their caches are twice the size of the CPU's
-    largest cache: each step reads its K/V from memory, as in a real model."""
+    largest cache: each step reads its K/V from memory, as in a real model.
+
+    window: the query sees its last window + 1 keys; torch's contenders attend to a contiguous
+    cache of just those (a rolling window cache), and the work is their bytes. softcap and
+    sinks (one logit per head): torch SDPA has neither, so the baseline is the same math in
+    plain torch ops (torch_eager: scores, tanh, the sink as one more logit, softmax, P V)."""
     generator = torch.Generator().manual_seed(0)
+    keys_read = context if window is None else min(context, window + 1)
     layer_bytes = 2 * batch * kv_heads * context * head_dim * dtype.itemsize
+    work_bytes = 2 * batch * kv_heads * keys_read * head_dim * dtype.itemsize
     layers = (
         max(1, -(-2 * cpu_cache_bytes() // layer_bytes)) if device.type == "cpu" else 1
     )  # 1 if unknown
@@ -228,11 +253,19 @@ def _decode_case(
             cache.value_caches[layer],
             prefill.slot_mapping,
         )
-        contiguous.append((k, v))
+        # The keys the query sees, contiguous: (B, Hkv, keys_read, D)
+        contiguous.append(tuple(t[:, :, context - keys_read :].contiguous() for t in (k, v)))
     q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q_packed = q[:, :, 0]  # (B, H, D)
     gqa = heads != kv_heads
+    features = {}  # paged_attention's feature arguments, only those the case sets
+    if window is not None:
+        features["window"] = (window, 0)
+    if softcap:
+        features["softcap"] = softcap
+    if sinks:
+        features["sinks"] = sink_logits = torch.randn(heads, generator=generator).to(device)
 
     def rotating(step):  # each call runs step(layer) on the next layer
         next_layer = itertools.cycle(range(layers))
@@ -247,18 +280,47 @@ def _decode_case(
                 prefill.block_tables,
                 prefill.seq_lens,
                 one_query_each,
+                **features,
             )
         )
     }
-    for contender, backend in _torch_sdpa_contenders(device).items():
+    baseline = next(iter(_torch_sdpa_contenders(device)))
+    if softcap or sinks:
+        baseline = "torch_eager"
 
-        def torch_decode(layer, backend=backend):
-            with _backend(backend):
-                F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+        def torch_eager(layer):
+            k, v = contiguous[layer]
+            group = heads // kv_heads
+            # (B, Hkv, group, D) @ (B, Hkv, D, S) -> (B, Hkv, group, S)
+            scores = (q.view(batch, kv_heads, group, head_dim) @ k.transpose(-2, -1)).float()
+            scores = scores * head_dim**-0.5
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks:
+                sink_column = sink_logits.view(1, kv_heads, group, 1).expand(batch, -1, -1, 1)
+                scores = torch.cat([scores, sink_column], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :keys_read].to(dtype)
+            return probs @ v
 
-        steps[contender] = rotating(torch_decode)
-    steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
+        steps[baseline] = rotating(torch_eager)
+    else:
+        for contender, backend in _torch_sdpa_contenders(device).items():
+
+            def torch_decode(layer, backend=backend):
+                with _backend(backend):
+                    F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
+
+            steps[contender] = rotating(torch_decode)
+        steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
     label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
+    if window is not None:
+        label += f" window={window}"
+    if softcap:
+        label += f" softcap={softcap:g}"
+    if sinks:
+        label += " sinks"
+    if baseline != next(iter(_torch_sdpa_contenders(device))):
+        label += f" (vs {baseline})"
     params = {
         "model": name,
         "heads": heads,
@@ -269,16 +331,12 @@ def _decode_case(
         "dtype": dtype_name(dtype),
         "block_size": block_size,
         "layers": layers,
+        "window": window,
+        "softcap": softcap,
+        "sinks": sinks,
     }
     return Case(
-        "paged_decode",
-        label,
-        params,
-        layer_bytes,
-        "GB/s",
-        "stream_read",
-        steps,
-        baseline=next(iter(_torch_sdpa_contenders(device))),
+        "paged_decode", label, params, work_bytes, "GB/s", "stream_read", steps, baseline=baseline
     )
 
 
@@ -566,6 +624,15 @@ def build_cases(
                         factories.append(
                             lambda n=name, h=heads, kv=kv_heads, t=dtype, c=context: _decode_case(
                                 n, h, kv, 128, c, t, device, decode_batch
+                            )
+                        )
+            for dtype in dtypes:
+                for context in contexts:
+                    window_case = dict(context=WINDOW_CONTEXT_FACTOR * context, window=context)
+                    for features in (window_case, dict(context=context, **SOFTCAP_DECODE)):
+                        factories.append(
+                            lambda t=dtype, f=features: _decode_case(
+                                *GQA_SHAPE, dtype=t, device=device, batch=decode_batch, **f
                             )
                         )
         elif suite == "cache_append":

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "mha_ext/attention_params.h"
+#include "mha_ext/paged_cache.h"
 #include "mha_ext/paged_params.h"
 
 namespace mha_ext::cpu {
@@ -50,14 +51,15 @@ struct PagedTaskPlan {
 // tiles in turn read 8 KiB of every 64 KiB block (fp32, 8 kv heads, block size 16). Only the
 // reads, on Zen 5 from memory: 18-19 -> 25-28 GB/s on one core, 26-31 -> 42 on two. Long
 // contexts are split along the keys when the tasks leave threads idle (a split below 256 keys
-// would cost more in merging than it saves), and a sequence's heads are divided among tasks
-// only when the splits cannot fill the threads.
+// would cost more in merging than it saves; a window counts only the keys a task sees), and a
+// sequence's heads are divided among tasks only when the splits cannot fill the threads.
 inline PagedTaskPlan plan_paged_tasks(const PagedAttentionParams& p, int64_t threads) {
   const bool heads_together = paged_task_rows(p) <= kDirectRows;
   const int64_t wanted = 2 * std::max<int64_t>(threads, 1);
   const int64_t tasks = std::max<int64_t>(p.batch * (heads_together ? 1 : p.num_kv_heads), 1);
-  const int64_t splits =
-      std::max<int64_t>(1, std::min((wanted + tasks - 1) / tasks, p.max_seq_len / 256));
+  const int64_t keys = paged_max_chunk_keys(
+      p, std::min(std::max<int64_t>(p.max_queries_per_seq, 1), paged_queries_per_tile(p)));
+  const int64_t splits = std::max<int64_t>(1, std::min((wanted + tasks - 1) / tasks, keys / 256));
   if (!heads_together) return {1, splits};
   const int64_t head_groups =
       std::clamp<int64_t>((wanted + tasks * splits - 1) / (tasks * splits), 1, p.num_kv_heads);

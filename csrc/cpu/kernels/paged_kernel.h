@@ -1,7 +1,8 @@
 #pragma once
 // Attention that reads keys and values from a paged cache through block tables, for a batch
 // of sequences of different lengths: decode (one query per sequence) and chunked prefill
-// (several), causal with the queries as the last tokens of each sequence.
+// (several), causal with the queries as the last tokens of each sequence, optionally with a
+// sliding window, a logit softcap, ALiBi and attention sinks (PagedAttentionParams).
 //
 // One task per (sequence, kv heads, chunk of queries, split of the keys): decode takes a
 // sequence's kv heads together, head by head within each key tile (plan_paged_tasks). The
@@ -9,14 +10,16 @@
 // read once per group: for decode, the tile rows are the group's heads. Key tiles of 64
 // tokens are gathered from whatever blocks hold them, so any block size works. With few
 // tasks for the threads, long contexts are split and the partial results merged by
-// logsumexp.
+// logsumexp. A window narrows each task's keys to those its queries see: the key tiles
+// before it are never visited, so a 4096-key window over 32k tokens reads 4096 keys. The
+// sink joins a row's softmax when it is finished, or with key splits in their merge.
 //
 // paged_attention_kernel (at the end) runs in named steps: plan_paged_call and plan_task (the
 // tasks, and each task's work items: key tiles, and within a tile its kv heads), start_task
 // (q rows in, state cleared), then per work item the PrefetchSchedule's listing and requests,
-// score_pass (S, causal mask, online softmax) and value_pass (O += P V), finish_task (the
-// output, or a key split's partial output) and merge_split_outputs. Its tuning for each ISA
-// class is PagedKernelTraits.
+// score_pass (S, the score modifications and masks, online softmax) and value_pass (O += P V),
+// finish_task (the output, or a key split's partial output) and merge_split_outputs. Its tuning for
+// each ISA class is PagedKernelTraits.
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
@@ -28,6 +31,7 @@
 #include "kernel_common.h"
 #include "mha_ext/paged_cache.h"
 #include "mha_ext/paged_params.h"
+#include "mha_ext/score_mods.h"
 #include "tile_gemm.h"
 
 namespace mha_ext::cpu {
@@ -812,6 +816,7 @@ struct PagedScratch {
 // kv head's tile is query first_query + r / group of the sequence, query head
 // kv_head * group + r % group.
 struct PagedTask {
+  int64_t seq = 0;
   int64_t split = 0;
   int64_t head_begin = 0;
   int64_t head_end = 0;
@@ -846,6 +851,7 @@ PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, in
   const int64_t head_group = index / (plan.q_chunks * plan.splits) % plan.head_groups;
   const int64_t chunk = index / plan.splits % plan.q_chunks;
   PagedTask task;
+  task.seq = seq;
   task.split = index % plan.splits;
   task.head_begin = head_group * plan.heads_per_task;
   task.head_end = std::min(task.head_begin + plan.heads_per_task, p.num_kv_heads);
@@ -857,7 +863,8 @@ PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, in
   task.rows = queries * plan.group;
   task.seq_len = p.seq_lens[seq];
   const int64_t last_query = task.first_query + queries - 1;
-  const int64_t keys = paged_keys_seen(task.seq_len, task.num_queries, last_query);
+  const KeyRange keys =
+      paged_chunk_keys(task.seq_len, task.num_queries, task.first_query, last_query, p.window_left);
   task.keys = split_key_range(keys, task.split, plan.splits, kKeyBlock);
   task.block_table = p.block_tables + seq * p.block_table_stride;
   task.direct = task.rows <= kDirectRows;
@@ -982,8 +989,46 @@ struct PrefetchSchedule {
   }
 };
 
+// s[0, count) = softcapped(s) (score_mods.h), a vector at a time: the same formula, with
+// Sleef's tanh (within 1 ulp of std::tanh) in place of a call per score.
+template <typename acc_t>
+void softcap_scores(acc_t* s, int64_t count, acc_t softcap) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  at::vec::map([softcap](Vec x) { return Vec(softcap) * (x / Vec(softcap)).tanh(); }, s, s, count);
+}
+
+// Applies the score modifications (score_mods.h: softcap, then ALiBi with the distance
+// position - key) to the scores of the keys each tile row sees, and hides the others (-inf):
+// the keys past its query and, with a window, those before it. s_tile [rows, kKeyBlock] holds
+// the item's scores of q pre-scaled on load. Each modification is decided once per row,
+// outside the loops over keys, so a call without them costs two fills per row.
+template <typename acc_t>
+void modify_and_mask_scores(const PagedAttentionParams& p, const PagedTask& task,
+                            const WorkItem& item, int64_t group, acc_t* s_tile) {
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const acc_t softcap = static_cast<acc_t>(p.mods.softcap);
+  const int64_t diagonal_offset = task.seq_len - task.num_queries;  // query i's position - i
+  for (int64_t r = 0; r < task.rows; ++r) {
+    acc_t* s = s_tile + r * kKeyBlock;
+    const int64_t query = task.first_query + r / group;
+    const KeyRange visible =
+        paged_visible_keys(task.seq_len, task.num_queries, query, p.window_left);
+    const int64_t begin = std::clamp<int64_t>(visible.begin - item.key0, 0, item.cols);
+    const int64_t end = std::clamp<int64_t>(visible.end - item.key0, begin, item.cols);
+    std::fill(s, s + begin, kMinusInf);
+    std::fill(s + end, s + item.cols, kMinusInf);
+    if (softcap > acc_t(0)) softcap_scores(s + begin, end - begin, softcap);
+    if (p.mods.alibi_slopes != nullptr) {
+      const int64_t head = item.kv_head * group + r % group;
+      const acc_t slope = alibi_slope<acc_t>(p.mods, task.seq, head);
+      for (int64_t c = begin; c < end; ++c)
+        s[c] += alibi_bias(slope, query, item.key0 + c, diagonal_offset);
+    }
+  }
+}
+
 // The score pass of one work item: S = Q K^T over the item's keys into s_tile [rows, cols],
-// the keys past each row's query hidden, then folded into the rows' online softmax, which
+// modified and masked (modify_and_mask_scores), then folded into the rows' online softmax, which
 // leaves P in s_tile and rescales O. The direct path scores the cached key rows in place
 // (score_tile, which also requests the schedule's value rows); the gathered path copies them
 // into a K^T tile for the GEMM.
@@ -991,7 +1036,6 @@ template <typename scalar_t, typename acc_t>
 void score_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
                 const HeadState<scalar_t, acc_t>& state, const PrefetchSchedule<scalar_t>& schedule,
                 const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t rows = task.rows, cols = item.cols, ld_d = scratch.plan.ld_d;
   acc_t* s_tile = scratch.s_tile;  // [rows, kKeyBlock]
   if (task.direct) {
@@ -1015,14 +1059,7 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
     tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, scratch.kt_tile, kKeyBlock, s_tile,
                      kKeyBlock);
   }
-  const int64_t group = scratch.plan.group;
-  for (int64_t r = 0; r < rows; ++r) {
-    acc_t* s = s_tile + r * kKeyBlock;
-    const int64_t query = task.first_query + r / group;
-    const int64_t seen = paged_keys_seen(task.seq_len, task.num_queries, query);
-    const int64_t visible = std::clamp<int64_t>(seen - item.key0, 0, cols);
-    std::fill(s + visible, s + cols, kMinusInf);  // scores of q pre-scaled on load
-  }
+  modify_and_mask_scores(p, task, item, scratch.plan.group, s_tile);
   online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
                       scratch.plan.ld_dv, p.head_dim_v);
 }
@@ -1069,9 +1106,26 @@ void run_task_items(const PagedAttentionParams& p, const PagedTask& task,
   }
 }
 
+// finish_row with the sink joined to the row's softmax: out = o / (row_sum + e^(sink - max))
+// and lse = log(e^sink + e^(the row's lse)), which merge_softmax_states gives for the row and
+// a state of logsumexp `sink` whose output is 0 (a sink carries no value). A row that saw no
+// key gets output 0 and lse = sink.
+template <typename scalar_t, typename acc_t>
+acc_t finish_row_with_sink(const acc_t* o_row, int64_t head_dim_v, double row_max, acc_t row_sum,
+                           acc_t sink, scalar_t* out_row) {
+  const bool empty = row_sum == acc_t(0);
+  const acc_t row_lse = empty
+                            ? -std::numeric_limits<acc_t>::infinity()
+                            : static_cast<acc_t>(row_max + static_cast<double>(std::log(row_sum)));
+  const MergedState<acc_t> merged = merge_softmax_states(row_lse, sink);
+  store_row(o_row, head_dim_v, empty ? acc_t(0) : merged.weight_a / row_sum, out_row);
+  return merged.lse;
+}
+
 // Writes a finished task's rows: with one key split, the normalised output and its
-// logsumexp; with several, this split's normalised partial output and logsumexp in the
-// workspaces, which merge_split_outputs folds together once every task is done.
+// logsumexp, the sink joined where there are sinks; with several, this split's normalised partial
+// output and logsumexp in the workspaces, which merge_split_outputs folds together once every task
+// is done.
 template <typename scalar_t, typename acc_t>
 void finish_task(const PagedAttentionParams& p, const PagedTask& task,
                  const PagedScratch<scalar_t, acc_t>& scratch) {
@@ -1084,23 +1138,28 @@ void finish_task(const PagedAttentionParams& p, const PagedTask& task,
       const int64_t token = task.q_begin + task.first_query + r / group;
       const int64_t head = kv_head * group + r % group;
       const int64_t lse_index = token * p.num_heads + head;
+      const double row_max = state.row_max_log2[r] * kLn2;
       if (splits == 1) {
         scalar_t* out =
             static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head;
         static_cast<acc_t*>(p.lse)[lse_index] =
-            finish_row(o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], out);
+            p.sinks == nullptr
+                ? finish_row(o_row, p.head_dim_v, row_max, state.row_sum[r], out)
+                : finish_row_with_sink(o_row, p.head_dim_v, row_max, state.row_sum[r],
+                                       sink_logit<acc_t>(p.sinks, head), out);
       } else {
         const int64_t partial_index = task.split * p.total_q * p.num_heads + lse_index;
         acc_t* partial = static_cast<acc_t*>(p.partial_out) + partial_index * p.head_dim_v;
-        static_cast<acc_t*>(p.partial_lse)[partial_index] = finish_row(
-            o_row, p.head_dim_v, state.row_max_log2[r] * kLn2, state.row_sum[r], partial);
+        static_cast<acc_t*>(p.partial_lse)[partial_index] =
+            finish_row(o_row, p.head_dim_v, row_max, state.row_sum[r], partial);
       }
     }
   }
 }
 
 // Folds the key splits' partial results into the output, one (token, head) row at a time, in
-// split order: out and lse as one attention over all the keys (merge_softmax_states).
+// split order: out and lse as one attention over all the keys (merge_softmax_states), and
+// then, once, the head's sink: a state of logsumexp sink and output 0.
 template <typename scalar_t>
 void merge_split_outputs(const PagedAttentionParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
@@ -1123,8 +1182,15 @@ void merge_split_outputs(const PagedAttentionParams& p) {
         lse = state.lse;
       }
       const int64_t token = index / p.num_heads, head = index % p.num_heads;
+      acc_t weight = 1;
+      if (p.sinks != nullptr) {
+        const MergedState<acc_t> state =
+            merge_softmax_states(lse, sink_logit<acc_t>(p.sinks, head));
+        weight = state.weight_a;
+        lse = state.lse;
+      }
       store_row(
-          merged, dim_v, acc_t(1),
+          merged, dim_v, weight,
           static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head);
       static_cast<acc_t*>(p.lse)[index] = lse;
     }

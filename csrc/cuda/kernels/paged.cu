@@ -1,5 +1,6 @@
 // Paged KV cache on the GPU: the in-place append, attention through block tables (decode
-// and chunked prefill, split-K with a logsumexp merge) and merge_attention_states.
+// and chunked prefill, sliding window, softcap, ALiBi and sinks; split-K with a logsumexp
+// merge) and merge_attention_states.
 //
 // The index tensors live on the device, so nothing here can raise on a bad index without a
 // host sync; instead every kernel guards what it reads and writes: an append skips slots
@@ -12,6 +13,7 @@
 #include "cuda/kernels/launchers.h"
 #include "cuda/kernels/simt_rows.cuh"
 #include "mha_ext/paged_cache.h"
+#include "mha_ext/score_mods.h"
 
 namespace mha_ext::cuda {
 namespace {
@@ -66,6 +68,20 @@ __device__ __forceinline__ int64_t cached_row(const PagedAttentionParams& p,
   return cache_row_offset(strides, location, kv_head);
 }
 
+// Joins a sink (a logit with no value) to row i's softmax as one more key whose value is 0:
+// lse = log(e^sink + sum e^s), out = sum e^s v / (e^sink + sum e^s). A row that saw no key
+// finishes with output 0 and lse = sink.
+template <typename acc_t, int kDimChunks>
+__device__ void add_sink(SimtRows<acc_t, kDimChunks>& state, int i, acc_t sink) {
+  const acc_t new_max = fmax(state.row_max[i], sink);
+  if (new_max == acc_t(-INFINITY)) return;  // a sink of -inf changes nothing
+  const acc_t rescale = exp_of(state.row_max[i] - new_max);
+  state.row_sum[i] = state.row_sum[i] * rescale + exp_of(sink - new_max);
+  state.row_max[i] = new_max;
+#pragma unroll
+  for (int c = 0; c < kDimChunks; ++c) state.acc[i][c] *= rescale;
+}
+
 template <typename scalar_t, int kDimChunks>
 __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttentionParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
@@ -90,17 +106,20 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
   const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
-  const int first_row = warp * kSimtRowsPerWarp;  // of the tile's rows
+  const int first_row = warp * kSimtRowsPerWarp;          // of the tile's rows
+  const int64_t diagonal_offset = seq_len - num_queries;  // query i's position - i
+  const acc_t softcap = static_cast<acc_t>(p.mods.softcap);
 
   const int64_t row_tiles = ceil_div<int64_t>(num_queries * group, kSimtRows);
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
     const PagedRowTile rows{tile * kSimtRows, min(static_cast<int64_t>(kSimtRows),
                                                   num_queries * group - tile * kSimtRows)};
-    // The keys the tile's last query sees (paged_keys_seen: queries are their sequence's last
-    // tokens), this block's split of them.
-    const int64_t last_query = (rows.first + rows.rows - 1) / group;
-    const KeyRange keys = split_key_range(paged_keys_seen(seq_len, num_queries, last_query), split,
-                                          splits, kSimtKeys);
+    // The keys the tile's queries see (from the first one's window to the last one: queries
+    // are their sequence's last tokens), this block's split of them.
+    const KeyRange keys =
+        split_key_range(paged_chunk_keys(seq_len, num_queries, rows.first / group,
+                                         (rows.first + rows.rows - 1) / group, p.window_left),
+                        split, splits, kSimtKeys);
 
     __syncthreads();  // the previous tile's q_tile is no longer read
     for (int64_t idx = threadIdx.x; idx < kSimtRows * p.head_dim; idx += blockDim.x) {
@@ -141,15 +160,25 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
       }
       __syncthreads();
 
+      // This lane's key's score for each row, modified as score_mods.h says, or -inf where
+      // the row does not see the key (past its query, before its window, not cached).
       acc_t scores[kSimtRowsPerWarp];
+      const int64_t key = key0 + lane;
 #pragma unroll
       for (int i = 0; i < kSimtRowsPerWarp; ++i) {
-        const int64_t row = rows.first + first_row + i;
-        const int64_t keys_seen = paged_keys_seen(seq_len, num_queries, row / group);
+        const int64_t row = rows.first + first_row + i, query = row / group;
+        const KeyRange visible = paged_visible_keys(seq_len, num_queries, query, p.window_left);
         scores[i] = -INFINITY;
-        if (first_row + i < rows.rows && key_cached[lane] && key0 + lane < keys_seen) {
-          scores[i] = row_key_dot(q_tile + (first_row + i) * p.head_dim, k_tile, tiles.k_ld(), lane,
-                                  p.head_dim);
+        if (first_row + i < rows.rows && key_cached[lane] && key >= visible.begin &&
+            key < visible.end) {
+          acc_t score = row_key_dot(q_tile + (first_row + i) * p.head_dim, k_tile, tiles.k_ld(),
+                                    lane, p.head_dim);
+          if (softcap > acc_t(0)) score = softcapped(score, softcap);
+          if (p.mods.alibi_slopes != nullptr) {
+            const acc_t slope = alibi_slope<acc_t>(p.mods, seq, kv_head * group + row % group);
+            score += alibi_bias(slope, query, key, diagonal_offset);
+          }
+          scores[i] = score;
         }
       }
       state.softmax_step(scores);
@@ -163,6 +192,7 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
       if (first_row + i >= rows.rows || token >= p.total_q) continue;
       acc_t row_lse;
       if (splits == 1) {
+        if (p.sinks != nullptr) add_sink(state, i, sink_logit<acc_t>(p.sinks, head));
         row_lse = state.finish(
             i,
             static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head,
@@ -178,7 +208,8 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   }
 }
 
-// out = the splits' partial outputs merged by logsumexp; one thread per output element.
+// out = the splits' partial outputs merged by logsumexp, then the head's sink joined once (a
+// state of logsumexp sink and output 0); one thread per output element.
 template <typename scalar_t>
 __global__ void merge_splits_kernel(PagedAttentionParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
@@ -198,6 +229,11 @@ __global__ void merge_splits_kernel(PagedAttentionParams p) {
       lse = merged.lse;
     }
     const int64_t token = row / p.num_heads, head = row % p.num_heads;
+    if (p.sinks != nullptr) {
+      const MergedState<acc_t> merged = merge_softmax_states(lse, sink_logit<acc_t>(p.sinks, head));
+      value *= merged.weight_a;
+      lse = merged.lse;
+    }
     store_as(
         static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head + d,
         value);
@@ -273,10 +309,14 @@ cudaError_t launch_paged_kv_append(const PagedAppendParams& p, cudaStream_t stre
 
 int64_t paged_attention_splits(const PagedAttentionParams& p, int num_sms) {
   // Split long contexts while sequences x kv heads leave SMs idle (two blocks per SM); a
-  // split below 256 keys costs more in merging than it saves.
+  // split below 256 keys costs more in merging than it saves. A window counts only the keys
+  // a row tile's queries see.
   const int64_t blocks = std::max<int64_t>(p.batch * p.num_kv_heads, 1);
   const int64_t wanted = ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), blocks);
-  return std::max<int64_t>(1, std::min(wanted, p.max_seq_len / 256));
+  const int64_t group = std::max<int64_t>(p.num_heads / p.num_kv_heads, 1);
+  const int64_t tile_queries = ceil_div<int64_t>(kSimtRows, group);
+  const int64_t keys = paged_max_chunk_keys(p, std::min(p.max_queries_per_seq, tile_queries));
+  return std::max<int64_t>(1, std::min(wanted, keys / 256));
 }
 
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms,

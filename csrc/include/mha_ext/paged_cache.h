@@ -44,24 +44,53 @@ MHA_EXT_HOST_DEVICE int64_t paged_query_position(int64_t seq_len, int64_t num_qu
   return seq_len - num_queries + query;
 }
 
-// The keys [0, paged_keys_seen) that query `query` sees. Never negative: the CUDA kernels
-// clamp seq_len to what a block-table row holds, which can leave a query before the first
-// token, seeing no key (the CPU op rejects such lengths).
+// The keys [0, paged_keys_seen) that query `query` sees without a window. Never negative: the
+// CUDA kernels clamp seq_len to what a block-table row holds, which can leave a query before
+// the first token, seeing no key (the CPU op rejects such lengths).
 MHA_EXT_HOST_DEVICE int64_t paged_keys_seen(int64_t seq_len, int64_t num_queries, int64_t query) {
   const int64_t keys = paged_query_position(seq_len, num_queries, query) + 1;
   return keys > 0 ? keys : 0;
 }
 
-// Keys [begin, end) that split `split` of `splits` takes of keys [0, keys): equal shares
-// rounded up to whole tiles of tile_keys, so every split starts on a tile boundary and only
+// The keys [begin, end) that query `query` sees: those up to itself, and with a window
+// (window_left >= 0) none before its position - window_left. Empty (begin = end) where
+// paged_keys_seen is 0.
+MHA_EXT_HOST_DEVICE KeyRange paged_visible_keys(int64_t seq_len, int64_t num_queries, int64_t query,
+                                                int64_t window_left) {
+  const int64_t end = paged_keys_seen(seq_len, num_queries, query);
+  const int64_t begin = window_left < 0 ? 0 : end - 1 - window_left;
+  return {begin < 0 ? 0 : begin, end};
+}
+
+// The keys a chunk of a sequence's queries [first_query, last_query] sees together: from the
+// first query's first key to the last query's last (both bounds grow with the query).
+MHA_EXT_HOST_DEVICE KeyRange paged_chunk_keys(int64_t seq_len, int64_t num_queries,
+                                              int64_t first_query, int64_t last_query,
+                                              int64_t window_left) {
+  const int64_t begin = paged_visible_keys(seq_len, num_queries, first_query, window_left).begin;
+  const int64_t end = paged_keys_seen(seq_len, num_queries, last_query);
+  return {begin < end ? begin : end, end};
+}
+
+// The most keys a chunk of up to `queries` queries of one sequence sees: what the key splits
+// are planned for. A window bounds it below the longest sequence (a 4096-key window over 32k
+// tokens reads 4096 keys, not 32k).
+MHA_EXT_HOST_DEVICE int64_t paged_max_chunk_keys(const PagedAttentionParams& p, int64_t queries) {
+  const int64_t windowed = p.window_left + queries;
+  return p.window_left < 0 || windowed > p.max_seq_len ? p.max_seq_len : windowed;
+}
+
+// Keys [begin, end) that split `split` of `splits` takes of keys: equal shares rounded up to
+// whole tiles of tile_keys from keys.begin, so every split starts on a tile boundary and only
 // the last nonempty one ends inside a tile; splits past the keys are empty (begin = end =
-// keys). The splits together take every key once.
-MHA_EXT_HOST_DEVICE KeyRange split_key_range(int64_t keys, int64_t split, int64_t splits,
+// keys.end). The splits together take every key once.
+MHA_EXT_HOST_DEVICE KeyRange split_key_range(KeyRange keys, int64_t split, int64_t splits,
                                              int64_t tile_keys) {
-  const int64_t share = ((keys + splits - 1) / splits + tile_keys - 1) / tile_keys * tile_keys;
-  const int64_t begin = split * share < keys ? split * share : keys;
-  const int64_t end = begin + share < keys ? begin + share : keys;
-  return {begin, end};
+  const int64_t count = keys.end - keys.begin;
+  const int64_t share = ((count + splits - 1) / splits + tile_keys - 1) / tile_keys * tile_keys;
+  const int64_t begin = split * share < count ? split * share : count;
+  const int64_t end = begin + share < count ? begin + share : count;
+  return {keys.begin + begin, keys.begin + end};
 }
 
 MHA_EXT_END_ISA_NAMESPACE

@@ -62,6 +62,14 @@ struct PagedAttentionParams {
   TokenStrides q_strides, out_strides;
   CacheStrides k_cache_strides, v_cache_strides;
   double scale = 1.0;
+  // Sliding window: the query at position p (seq_len - num_queries + i) sees keys
+  // [p - window_left, p]; -1 = unbounded (every key up to p).
+  int64_t window_left = -1;
+  // Softcap and ALiBi as for attention (ScoreMods), with the ALiBi distance p - j.
+  ScoreMods mods;
+  // [num_heads] logits, accumulation type, that join every row's softmax denominator and
+  // carry no value (attention sinks); lse includes them. nullptr = none.
+  const void* sinks = nullptr;
 
   // Split-K over long contexts: each split attends to a slice of the keys and leaves a
   // normalised partial output and its logsumexp, merged afterwards by logsumexp.
