@@ -1,8 +1,6 @@
 """MultiHeadAttention: seed compatibility, GQA/MQA, masks, weights, head masks, presets,
 score options (window, softcap, ALiBi, sinks), packed documents, the paged pass-through."""
 
-import inspect
-
 import pytest
 import torch
 
@@ -486,12 +484,6 @@ def test_forward_paged_passes_only_the_options_that_are_on(monkeypatch):
     assert options["alibi_slopes"] is layer.alibi_slopes and options["sinks"] is layer.sinks
 
 
-PAGED_TAKES_OPTIONS = "softcap" in inspect.signature(mha_ext.paged_attention).parameters
-
-
-@pytest.mark.skipif(
-    not PAGED_TAKES_OPTIONS, reason="this build's paged_attention takes no score options yet"
-)
 def test_forward_paged_with_options_matches_causal_forward():
     layer = optioned_layer(dict(window=(5, 2), softcap=3.0, alibi=True, sinks=True))
     cache = mha_ext.PagedKVCache(1, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
