@@ -37,24 +37,31 @@ def dropout_mask(
     return ops.dropout_mask(dropout_seed, batch, num_heads, seq_q, seq_k, float(dropout_p))
 
 
+def window_sides(window, fn: str) -> Tuple[int, int]:
+    """(left, right) of a window argument, -1 for an unbounded side (None or -1 given); a
+    ValueError naming fn for anything but a pair of ints >= -1 or None."""
+    if window is None:
+        return -1, -1
+    sides = tuple(window) if isinstance(window, (tuple, list)) else None
+    valid = (
+        sides is not None
+        and len(sides) == 2
+        and all(side is None or (isinstance(side, int) and side >= -1) for side in sides)
+    )
+    if not valid:
+        raise ValueError(
+            f"{fn}: window must be a pair (left, right) of ints >= 0, with None or -1 "
+            f"for an unbounded side, got {window!r}"
+        )
+    left, right = (-1 if side is None else side for side in sides)
+    return left, right
+
+
 def _window_bounds(causal, window, fn: str) -> Tuple[int, int, bool]:
     """(window_left, window_right, bottom_right) for the op; -1 means unbounded."""
     if causal not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"{fn}: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
-    left, right = -1, -1
-    if window is not None:
-        sides = tuple(window) if isinstance(window, (tuple, list)) else None
-        valid = (
-            sides is not None
-            and len(sides) == 2
-            and all(side is None or (isinstance(side, int) and side >= -1) for side in sides)
-        )
-        if not valid:
-            raise ValueError(
-                f"{fn}: window must be a pair (left, right) of ints >= 0, with None or -1 "
-                f"for an unbounded side, got {window!r}"
-            )
-        left, right = (-1 if side is None else side for side in sides)
+    left, right = window_sides(window, fn)
     if causal is not None:
         right = 0 if right == -1 else min(right, 0)
     # A window without causal aligns bottom-right, as FlashAttention's does.
@@ -436,21 +443,13 @@ def paged_attention(
 def _paged_window_left(window, fn: str) -> int:
     """window_left of paged attention's op from window = (left, right); the queries attend
     causally, so the right side may only be unbounded or 0."""
-    if window is None:
-        return -1
-    sides = tuple(window) if isinstance(window, (tuple, list)) else None
-    valid = (
-        sides is not None
-        and len(sides) == 2
-        and (sides[0] is None or (isinstance(sides[0], int) and sides[0] >= -1))
-        and sides[1] in (None, -1, 0)
-    )
-    if not valid:
+    left, right = window_sides(window, fn)
+    if right not in (-1, 0):
         raise ValueError(
             f"{fn}: window must be a pair (left, right) with left an int >= 0 or None / -1 "
             f"(unbounded) and right None, -1 or 0 (the queries attend causally), got {window!r}"
         )
-    return -1 if sides[0] is None else sides[0]
+    return left
 
 
 def merge_attention_states(

@@ -365,15 +365,5 @@ class MultiHeadAttention(nn.Module):
 def _checked_window(window) -> Optional[Tuple[Optional[int], Optional[int]]]:
     if window is None:
         return None
-    sides = tuple(window) if isinstance(window, (tuple, list)) else None
-    valid = (
-        sides is not None
-        and len(sides) == 2
-        and all(side is None or (isinstance(side, int) and side >= -1) for side in sides)
-    )
-    if not valid:
-        raise ValueError(
-            f"MultiHeadAttention: window must be a pair (left, right) of ints >= 0, with None "
-            f"or -1 for an unbounded side, got {window!r}"
-        )
+    sides = functional.window_sides(window, "MultiHeadAttention")
     return tuple(None if side == -1 else side for side in sides)
