@@ -116,6 +116,31 @@ __device__ __forceinline__ void load_a_fragments(uint32_t (&frag)[kDim / 16][4],
   }
 }
 
+// acc += S B for a 16-row tile of scores S held as this thread's C fragments s (fp32, rounded
+// to T here, so that S's C fragments serve as A fragments) and B [kMmaKeys, kDim] the rows of
+// a staged tile, two rows per register: `rows` points at element (2t, g) of the tile. O += P V
+// in the forward, dQ += dS K in the deterministic dQ pass.
+template <typename T, int kDim>
+__device__ __forceinline__ void mma_scores_by_tile(float (&acc)[kDim / 8][4],
+                                                   const float (&s)[kFragmentsPerTile][4],
+                                                   const T* rows) {
+  constexpr int kLd = kTileLd<kDim>;
+#pragma unroll
+  for (int step = 0; step < kMmaKeys / 16; ++step) {
+    const uint32_t a[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
+                           pack_floats(s[2 * step][2], s[2 * step][3], T{}),
+                           pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
+                           pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
+    const T* step_rows = rows + step * 16 * kLd;
+#pragma unroll
+    for (int f = 0; f < kDim / 8; ++f) {
+      const T* col = step_rows + f * 8;
+      const uint32_t b[2] = {pack_pair(col[0], col[kLd]), pack_pair(col[8 * kLd], col[9 * kLd])};
+      mma_16x8x16(acc[f], a, b, T{});
+    }
+  }
+}
+
 template <typename T, int kDim>
 __global__ void __launch_bounds__(kMmaThreads)
     attention_forward_mma(AttentionForwardParams call, const int64_t* seed) {
@@ -248,23 +273,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
 
-    // O += P V: P's A fragments come from S's C fragments; B[key][d] = V[key][d] needs two
-    // rows per register.
-#pragma unroll
-    for (int step = 0; step < kMmaKeys / 16; ++step) {
-      const uint32_t a[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
-                             pack_floats(s[2 * step][2], s[2 * step][3], T{}),
-                             pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
-                             pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
-      const T* v_rows = v_tile + (step * 16 + 2 * t) * kLd + g;
-#pragma unroll
-      for (int f = 0; f < kDimFragments; ++f) {
-        const T* v_col = v_rows + f * 8;
-        const uint32_t b[2] = {pack_pair(v_col[0], v_col[kLd]),
-                               pack_pair(v_col[8 * kLd], v_col[9 * kLd])};
-        mma_16x8x16(o_acc[f], a, b, T{});
-      }
-    }
+    // O += P V: P's A fragments come from S's C fragments.
+    mma_scores_by_tile<T, kDim>(o_acc, s, v_tile + 2 * t * kLd + g);
   }
 
   T* out = static_cast<T*>(p.out) + head * p.out_strides.head;
@@ -588,22 +598,8 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
 
-    // dQ += dS K: A from the dS C fragments, B[key][d] = K[key][d] two rows per register.
-#pragma unroll
-    for (int step = 0; step < kMmaKeys / 16; ++step) {
-      const uint32_t a[4] = {pack_floats(s[2 * step][0], s[2 * step][1], T{}),
-                             pack_floats(s[2 * step][2], s[2 * step][3], T{}),
-                             pack_floats(s[2 * step + 1][0], s[2 * step + 1][1], T{}),
-                             pack_floats(s[2 * step + 1][2], s[2 * step + 1][3], T{})};
-      const T* k_rows = k_tile + (step * 16 + 2 * t) * kLd + g;
-#pragma unroll
-      for (int f = 0; f < kDimFragments; ++f) {
-        const T* k_col = k_rows + f * 8;
-        const uint32_t b[2] = {pack_pair(k_col[0], k_col[kLd]),
-                               pack_pair(k_col[8 * kLd], k_col[9 * kLd])};
-        mma_16x8x16(grad_q[f], a, b, T{});
-      }
-    }
+    // dQ += dS K: A from the dS C fragments.
+    mma_scores_by_tile<T, kDim>(grad_q, s, k_tile + 2 * t * kLd + g);
   }
 
   T* grad_q_out = static_cast<T*>(p.grad_q) + head * p.grad_q_strides.head;
