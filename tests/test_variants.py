@@ -709,3 +709,23 @@ def test_attn_mask_with_packed_sequences_raises():
         ops.attention_forward(
             q, k, v, mask, None, 0.0, 0.25, -1, -1, False, 0.0, None, None, cu_q, cu_k, None, 6, 7
         )
+
+
+def test_packed_arguments_without_a_packed_call_raise():
+    q, k, v, cu_q, cu_k = packed_qkv([4, 6], [5, 7], 4, 2, 16, 16, torch.float32)
+    dense_q, dense_k, dense_v = random_qkv(2, 4, 2, 5, 7, 16)
+    options = (None, None, 0.0, 0.25, -1, -1, False, 0.0, None, None)
+    with pytest.raises(
+        RuntimeError, match=r"cu_seqlens_q and cu_seqlens_k go together, got only cu_seqlens_q"
+    ):
+        ops.attention_forward(q, k, v, *options, cu_q, None, None, 6, 7)
+    with pytest.raises(
+        RuntimeError, match=r"seqused_k needs cu_seqlens_q and cu_seqlens_k \(a packed call\)"
+    ):
+        ops.attention_forward(
+            dense_q, dense_k, dense_v, *options, None, None, torch.tensor([5, 7], dtype=torch.int32)
+        )
+    with pytest.raises(
+        RuntimeError, match=r"max_seqlen_q and max_seqlen_k must be >= 0, got -1 and 7"
+    ):
+        ops.attention_forward(q, k, v, *options, cu_q, cu_k, None, -1, 7)
