@@ -151,4 +151,6 @@ setup(
     python_requires=">=3.9",
     # numpy: torch imports without it but warns "Failed to initialize NumPy" on every import.
     install_requires=["torch>=2.5", "numpy"],
+    # mha_ext.integrations.transformers registers an attention implementation with it.
+    extras_require={"transformers": ["transformers>=5.0"]},
 )

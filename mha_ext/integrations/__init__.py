@@ -1,0 +1,1 @@
+"""Adapters that put mha_ext's kernels behind other libraries' attention interfaces."""
