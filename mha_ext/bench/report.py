@@ -15,10 +15,11 @@ SUITE_TITLES = {
     "call_overhead": f"small forward calls, batch 1 ({CALLS_PER_STEP} back to back per timed step)",
     "variants": "each score feature against plain attention of the same shape, causal",
     "varlen": "packed documents, causal forward + backward (work: the documents' own FLOPs)",
+    "integrations": "mha_ext through each interface against the direct call, causal",
 }
 # Suites whose tables show each contender's microseconds per call, not its throughput: the
 # fixed costs of a small call are what they measure.
-PER_CALL_SUITES = {"call_overhead"}
+PER_CALL_SUITES = {"call_overhead", "integrations"}
 # Suites whose cases are not a line over one length: a table and no plot.
 TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen"}
 
@@ -70,6 +71,8 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         lines += _append_summary(results)
     if suite == "varlen":
         lines += _varlen_summary(results)
+    if suite == "integrations":
+        lines += _integrations_summary(results)
     return "\n".join(lines)
 
 
@@ -111,6 +114,20 @@ def _varlen_summary(results: List[Dict]) -> List[str]:
             lines.append(
                 f"{dtype}: packed documents run at {100 * rates['packed'] / rates['uniform']:.0f}% "
                 f"of the uniform batch's GFLOP/s"
+            )
+    return lines
+
+
+def _integrations_summary(results: List[Dict]) -> List[str]:
+    """What each interface adds to the direct call: microseconds and percent per call."""
+    lines = ["time an interface adds to the direct mha_ext call:"]
+    for result in results:
+        timed = result["results"]
+        if "integration" in timed and "mha_ext" in timed:
+            direct = timed["mha_ext"]["seconds_per_call"]
+            added = timed["integration"]["seconds_per_call"] - direct
+            lines.append(
+                f"  {result['label']}: {added * 1e6:+.1f} us ({100 * added / direct:+.1f}%)"
             )
     return lines
 

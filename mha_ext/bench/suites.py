@@ -42,6 +42,7 @@ SUITES = (
     "call_overhead",
     "variants",
     "varlen",
+    "integrations",
 )
 # The variants suite: each score feature of attention alone, against plain attention of the
 # same shape (the feature's cost). (label, attention keyword arguments given the heads)
@@ -85,6 +86,14 @@ SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 # The step name of a case's roofline probe among its contenders' (run_case).
 ROOFLINE_PROBE = "roofline_probe"
+# The integrations suite: the same attention reached through each interface mha_ext offers
+# (FlashAttention's API, torch's SDPA provider hook, Hugging Face's attention function)
+# against the direct mha_ext call: one small forward (12 heads x 64, 128 tokens; fixed costs
+# show, timed CALLS_PER_STEP calls at a time) and, at each of the run's sequence lengths, a
+# grouped-query prefill forward and forward + backward. (label, heads, kv_heads, head_dim)
+INTEGRATION_SMALL = ("small", 12, 12, 64, 128)
+INTEGRATION_PREFILL = ("gqa-32q-8kv", 32, 8, 128)
+INTEGRATION_DECODE = dict(batch=8, heads=32, kv_heads=8, head_dim=128, context=1024)
 
 
 @dataclass
@@ -99,6 +108,11 @@ class Case:
     baseline: str = "torch_sdpa"
     interleave: bool = True
     per_call: Dict[str, int] = field(default_factory=dict)  # calls per step, for per-call times
+    # Contender -> context manager factory its step runs under (timed apart from the others,
+    # as the state it sets, e.g. an active SDPA provider, is global).
+    contexts: Dict[str, Callable[[], contextlib.AbstractContextManager]] = field(
+        default_factory=dict
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -418,14 +432,7 @@ def _call_overhead_case(heads, seq, head_dim, dtype, device) -> Case:
         device=device,
     )
 
-    def repeated(step):
-        def run():
-            for _ in range(CALLS_PER_STEP):
-                step()
-
-        return run
-
-    steps = {name: repeated(step) for name, step in single.steps.items()}
+    steps = {name: _repeated(step, CALLS_PER_STEP) for name, step in single.steps.items()}
     # Timed apart, not interleaved: timed between the other contenders and the roofline
     # probe's matmul, a (1, 1, 1, 64) fp32 call read 5.2-5.6 us for mha_ext and 6.1-6.9 for
     # torch, against 3.3-3.5 and 4.9-5.1 timed alone as in a plain loop of calls (2 Xeon cores).
@@ -578,6 +585,207 @@ def _varlen_cases(dtype, device, total_tokens=VARLEN_TOKENS) -> List[Case]:
     ]
 
 
+def _sdpa_provider_active():
+    """torch's flash-attention impl switched to mha_ext's for the duration."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+
+    @contextlib.contextmanager
+    def active():
+        activate_flash_attention_impl("mha_ext")
+        try:
+            yield
+        finally:
+            restore_flash_attention_impl()
+
+    return active()
+
+
+def _integration_specs(seqs):
+    """(integration, shape, backward) of each integrations case; shape None: the decode case."""
+    shapes = [INTEGRATION_SMALL] + [INTEGRATION_PREFILL + (seq,) for seq in seqs]
+    specs = []
+    for integration in ("flash_attn_func", "torch_sdpa_provider", "transformers"):
+        specs.append((integration, shapes[0], False))
+        specs += [
+            (integration, shape, backward) for shape in shapes[1:] for backward in (False, True)
+        ]
+    return specs + [("flash_attn_with_kvcache", None, False)]
+
+
+def _attention_integration_case(
+    integration, name, heads, kv_heads, head_dim, seq, dtype, backward, device
+) -> Case:
+    generator = torch.Generator().manual_seed(0)
+    # (B, S, H, D) storage, FlashAttention's and Hugging Face's layout; mha_ext reads the
+    # (B, H, S, D) views of it.
+    q_bshd, k_bshd, v_bshd = (
+        torch.randn(1, seq, h, head_dim, generator=generator)
+        .to(device=device, dtype=dtype)
+        .requires_grad_(backward)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    q, k, v = (t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd))
+    leaves = (q_bshd, k_bshd, v_bshd)
+
+    def step_of(attend):
+        def step():
+            out = attend()
+            if backward:
+                torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+        return step
+
+    gqa = heads != kv_heads
+    direct = lambda: functional.attention(q, k, v, causal="bottom_right")  # noqa: E731
+    contexts = {}
+    steps = {}
+    if integration == "flash_attn_func":
+        from ..flash_attn_interface import flash_attn_func
+
+        steps["integration"] = step_of(lambda: flash_attn_func(q_bshd, k_bshd, v_bshd, causal=True))
+    elif integration == "torch_sdpa_provider":
+        direct = lambda: functional.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, enable_gqa=gqa
+        )
+        steps["integration"] = step_of(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        )
+        contexts["integration"] = _sdpa_provider_active
+        steps["torch_sdpa"] = step_of(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        )
+    elif integration == "transformers":
+        layer = torch.nn.Module()  # what the attention function reads of a model's layer
+        layer.is_causal = True
+        attention_function = _transformers_attention_function()
+        hf_attend = lambda: attention_function(  # noqa: E731
+            layer, q, k, v, None, scaling=head_dim**-0.5
+        )[0]
+        steps["integration"] = step_of(hf_attend)
+    else:
+        raise ValueError(f"mha_ext.bench: unknown integration {integration!r}")
+    steps["mha_ext"] = step_of(direct)
+    label = f"{integration} {name} {dtype_name(dtype)} S={seq}{' fwd+bwd' if backward else ''}"
+    calls = CALLS_PER_STEP if name == INTEGRATION_SMALL[0] else 1
+    if calls > 1:
+        steps = {contender: _repeated(step, calls) for contender, step in steps.items()}
+    return Case(
+        "integrations",
+        label,
+        {
+            "integration": integration,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "seq": seq,
+            "dtype": dtype_name(dtype),
+            "backward": backward,
+        },
+        attention_flops(1, heads, seq, seq, head_dim, True, backward),
+        "GFLOP/s",
+        f"matmul_{dtype_name(dtype)}",
+        steps,
+        baseline="integration",
+        interleave=not contexts,
+        per_call=dict.fromkeys(steps, calls),
+        contexts=contexts,
+    )
+
+
+def _kvcache_integration_case(dtype, device) -> Case:
+    """One decode step through flash_attn_with_kvcache (append the new token, attend) against
+    paged_kv_append + paged_attention on the same paged cache."""
+    from ..flash_attn_interface import flash_attn_with_kvcache
+
+    batch, heads, kv_heads, head_dim, context = INTEGRATION_DECODE.values()
+    block_size = 16
+    blocks_per_seq = -(-(context + 1) // block_size)
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    # (num_blocks, block_size, Hkv, D): FlashAttention's paged layout; mha_ext's kernels
+    # read its (num_blocks, Hkv, block_size, D) view.
+    k_cache, v_cache = (randn(batch * blocks_per_seq, block_size, kv_heads, head_dim) for _ in "kv")
+    order = torch.randperm(batch * blocks_per_seq, generator=generator)
+    block_table = order.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
+    cache_seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q, k_new, v_new = randn(batch, 1, heads, head_dim), randn(batch, 1, kv_heads, head_dim), None
+    v_new = randn(batch, 1, kv_heads, head_dim)
+    new_positions = cache_seqlens.to(torch.int64)
+    slot_mapping = (
+        block_table.gather(1, (new_positions // block_size)[:, None])[:, 0].to(torch.int64)
+        * block_size
+        + new_positions % block_size
+    )
+    seq_lens = cache_seqlens + 1
+    one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+    def direct():
+        functional.paged_kv_append(
+            k_new[:, 0], v_new[:, 0], k_cache.transpose(1, 2), v_cache.transpose(1, 2), slot_mapping
+        )
+        functional.paged_attention(
+            q[:, 0],
+            k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2),
+            block_table,
+            seq_lens,
+            one_query_each,
+        )
+
+    def integration():
+        flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=True,
+        )
+
+    steps = {"integration": integration, "mha_ext": direct}
+    return Case(
+        "integrations",
+        f"flash_attn_with_kvcache decode {dtype_name(dtype)} ctx={context} batch={batch}",
+        {
+            "integration": "flash_attn_with_kvcache",
+            **INTEGRATION_DECODE,
+            "dtype": dtype_name(dtype),
+        },
+        2.0 * batch * kv_heads * (context + 1) * head_dim * dtype.itemsize,
+        "GB/s",
+        "stream_read",
+        steps,
+        baseline="integration",
+    )
+
+
+def _transformers_attention_function():
+    """mha_ext's Hugging Face attention function; without transformers, one that raises the
+    ImportError, which run_case reports as the contender being unsupported."""
+    try:
+        from ..integrations.transformers import mha_ext_attention_forward
+    except ImportError as error:
+        missing = error
+
+        def mha_ext_attention_forward(*args, **kwargs):
+            raise missing
+
+    return mha_ext_attention_forward
+
+
+def _repeated(step, calls):
+    def run():
+        for _ in range(calls):
+            step()
+
+    return run
+
+
 def build_cases(
     suites,
     models,
@@ -662,6 +870,17 @@ def build_cases(
                     factories.append(
                         lambda t=dtype, i=index: _varlen_cases(t, device, varlen_tokens)[i]
                     )
+        elif suite == "integrations":
+            for dtype in dtypes:
+                for integration, shape, backward in _integration_specs(seqs):
+                    if shape is None:
+                        factories.append(lambda t=dtype: _kvcache_integration_case(t, device))
+                    else:
+                        factories.append(
+                            lambda i=integration, s=shape, t=dtype, b=backward: (
+                                _attention_integration_case(i, *s, t, b, device)
+                            )
+                        )
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return factories
@@ -691,8 +910,9 @@ def run_case(
             del case.steps["naive"]
     for name, step in list(case.steps.items()):
         try:
-            step()
-        except (NotImplementedError, RuntimeError) as error:
+            with case.contexts.get(name, contextlib.nullcontext)():
+                step()
+        except (NotImplementedError, RuntimeError, ImportError) as error:
             unsupported[name] = str(error).splitlines()[0]
             del case.steps[name]
     probe = (probes or {}).get(case.roofline_key)
@@ -702,7 +922,10 @@ def run_case(
     else:
         seconds = {}
         for name, step in steps.items():
-            seconds.update(median_seconds({name: step}, warmup=2, repeats=repeats, device=device))
+            with case.contexts.get(name, contextlib.nullcontext)():
+                seconds.update(
+                    median_seconds({name: step}, warmup=2, repeats=repeats, device=device)
+                )
     ceiling = (
         probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     )
