@@ -23,6 +23,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.generation.continuous_batching import ContinuousBatchingManager  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
+    AttentionMaskInterface,
     causal_mask_function,
     chunked_causal_mask_function,
     sdpa_mask,
@@ -31,6 +32,8 @@ from transformers.masking_utils import (  # noqa: E402
 
 import mha_ext  # noqa: E402
 import mha_ext.integrations.transformers as hf  # noqa: E402
+
+from conftest import seeded_generator  # noqa: E402
 
 hf.register()
 
@@ -150,7 +153,7 @@ def padded_batch(padding):
     """input_ids (2, 11), attention_mask with 3 pad positions in row 0 (or None), labels.
     The labels skip every token predicted from a pad position: a query that sees no key has
     no defined output (eager averages the masked keys, mha_ext gives 0)."""
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded_generator(1)
     input_ids = torch.randint(1, VOCAB, (2, 11), generator=generator)
     if padding is None:
         return input_ids, None, input_ids.clone()
@@ -193,10 +196,12 @@ def test_training_step_matches_reference(kind, reference, padding, calls):
 
 def packed_batch(with_flash_kwargs):
     """Three sequences (5, 9 and 3 tokens) packed into one row by DataCollatorWithFlattening."""
-    generator = torch.Generator().manual_seed(2)
+    generator = seeded_generator(2)
     sequences = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=with_flash_kwargs)
-    return sequences, collator([{"input_ids": s} for s in sequences])
+    batch = collator([{"input_ids": s} for s in sequences])  # tensors on the CPU
+    device = torch.get_default_device()
+    return sequences, {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def next_token_loss(logits, labels):
@@ -247,7 +252,7 @@ def test_dropout_is_mha_ext_fused_dropout(calls):
     """The attention function passes dropout on: after the same seed it equals
     mha_ext.attention with that dropout_p, and a training model's outputs reproduce."""
     module = types.SimpleNamespace(is_causal=True)
-    generator = torch.Generator().manual_seed(3)
+    generator = seeded_generator(3)
     q = torch.randn(2, 4, 9, 16, generator=generator)
     k, v = (torch.randn(2, 2, 9, 16, generator=generator) for _ in range(2))
     torch.manual_seed(5)
@@ -273,11 +278,14 @@ def test_dropout_is_mha_ext_fused_dropout(calls):
     assert calls[-4][1]["dropout_p"] == 0.3 and calls[-1][1]["dropout_p"] == 0.0
 
 
-GENERATE_CASES = [(kind, "eager") for kind in KINDS] + [("llama", "sdpa")]
+GENERATE_CASES = [(kind, "eager", "dynamic") for kind in KINDS] + [
+    ("llama", "sdpa", "dynamic"),
+    ("gemma2", "eager", "static"),
+]
 
 
-@pytest.mark.parametrize("kind, reference", GENERATE_CASES)
-def test_generate_matches_reference(kind, reference, calls):
+@pytest.mark.parametrize("kind, reference, cache", GENERATE_CASES)
+def test_generate_matches_reference(kind, reference, cache, calls):
     reference_model, model = model_pair(kind, reference)
     input_ids, attention_mask, _ = padded_batch("left")
     results = {}
@@ -289,6 +297,7 @@ def test_generate_matches_reference(kind, reference, calls):
             max_new_tokens=6,
             do_sample=False,
             pad_token_id=0,
+            cache_implementation=cache,
             output_logits=True,
             return_dict_in_generate=True,
         )
@@ -299,11 +308,16 @@ def test_generate_matches_reference(kind, reference, calls):
     ):
         assert_close(ours, theirs, f"logits of generated token {step}")
     details = [d for _, d in calls]
-    # A prefill of 11 queries per layer, then one query per layer and step, on the key mask
-    # of the left padding; a sliding layer's cache soon holds no padding, and no mask.
+    # A prefill of 11 queries per layer, then one query per layer and step.
     assert [d["q_rows"] for d in details] == [11, 11] + [1] * 10
-    assert all(d["mask"] is None or d["mask"][:3] == (2, 1, 1) for d in details)
-    assert all(d["mask"] is not None for d in details if d["window"] is None)
+    if cache == "static":
+        # The full layer's static keys run past the queries: transformers' dense masks, alone.
+        full_layer = details[1::2]  # Gemma 2's layers: sliding, full
+        assert all(len(d["mask"]) == 4 and d["causal"] is None for d in full_layer)
+    else:
+        # The left padding's key mask; a sliding layer's cache soon holds no padding.
+        assert all(d["mask"] is None or d["mask"][:3] == (2, 1, 1) for d in details)
+        assert all(d["mask"] is not None for d in details if d["window"] is None)
     assert_model_features(kind, details)
 
 
@@ -412,68 +426,78 @@ def test_register_is_idempotent():
     hf.register()
     assert ContinuousBatchingManager.switch_to_cb_friendly_attn is check
     assert transformers.AttentionInterface()["mha_ext"] is hf.mha_ext_attention_forward
+    assert AttentionMaskInterface()["mha_ext"] is hf.mha_ext_mask
 
 
 # Mask function: which patterns stay on mha_ext's fused paths, and that the others equal sdpa's.
 
 
-def mask(mask_function, local_size=None, attention_mask=None, q_length=6, kv_length=6, **kwargs):
-    return hf.mha_ext_mask(
+def masks(mask_function, padding=None, local_size=None, q_length=6, q_offset=None, **kwargs):
+    """(mha_ext's mask, sdpa's dense mask) for batch 2 and 6 keys; the queries are the last
+    keys unless q_offset says otherwise (a static cache's queries are not)."""
+    arguments = dict(
         batch_size=2,
         q_length=q_length,
-        kv_length=kv_length,
-        q_offset=kv_length - q_length,
+        kv_length=6,
+        q_offset=6 - q_length if q_offset is None else q_offset,
         mask_function=mask_function,
-        attention_mask=attention_mask,
+        attention_mask=padding,
         local_size=local_size,
-        **kwargs,
+        device=torch.get_default_device(),
+    )
+    return hf.mha_ext_mask(**arguments, **kwargs), sdpa_mask(
+        **arguments, allow_is_causal_skip=False
     )
 
 
 def test_mask_is_none_or_key_padding_for_causal_and_sliding_patterns():
     padding = torch.ones(2, 6, dtype=torch.bool)
     sliding = sliding_window_causal_mask_function(3)
-    assert mask(causal_mask_function) is None
-    assert mask(causal_mask_function, attention_mask=padding) is None  # all attended
-    assert mask(sliding, local_size=3, q_length=1) is None  # decode step
+    assert masks(causal_mask_function)[0] is None
+    assert masks(causal_mask_function, padding)[0] is None  # every key attended
+    assert masks(sliding, local_size=3, q_length=1)[0] is None  # a decode step
     padding[0, :2] = False
     for mask_function, local_size in ((causal_mask_function, None), (sliding, 3)):
-        result = mask(mask_function, local_size, attention_mask=padding)
-        assert result.shape == (2, 6) and torch.equal(result, padding)
+        ours, _ = masks(mask_function, padding, local_size)
+        assert ours.shape == (2, 6) and torch.equal(ours, padding)
 
 
-def test_mask_is_sdpa_dense_mask_for_other_patterns():
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(local_size=3, chunked=True),  # chunked attention, which no window gives
+        dict(allow_is_causal_skip=False),  # transformers combined overlays into the function
+        dict(q_length=2, q_offset=0),  # a static cache: the queries are not the last keys
+    ],
+    ids=["chunked", "overlay", "static_cache"],
+)
+def test_mask_is_sdpa_dense_mask_for_other_patterns(case):
     padding = torch.ones(2, 6, dtype=torch.bool)
     padding[1, :1] = False
-    chunked = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
-    cases = [
-        dict(mask_function=chunked, local_size=3),  # chunked, not a window
-        dict(mask_function=causal_mask_function, allow_is_causal_skip=False),  # overlays
-        dict(mask_function=causal_mask_function, q_length=2, kv_length=6, q_offset=0),  # static
-    ]
-    for case in cases:
-        q_offset = case.pop("q_offset", None)
-        arguments = dict(case, attention_mask=padding)
-        q_length, kv_length = case.get("q_length", 6), case.get("kv_length", 6)
-        result = hf.mha_ext_mask(
-            batch_size=2,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=kv_length - q_length if q_offset is None else q_offset,
-            **{k: v for k, v in arguments.items() if k not in ("q_length", "kv_length")},
-        )
-        expected = sdpa_mask(
-            batch_size=2,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=kv_length - q_length if q_offset is None else q_offset,
-            mask_function=case["mask_function"],
-            attention_mask=padding,
-            local_size=case.get("local_size"),
-            allow_is_causal_skip=False,
-        )
-        assert result.shape == (2, 1, q_length, kv_length)
-        assert torch.equal(result, expected), case
+    mask_function = causal_mask_function
+    if case.pop("chunked", False):
+        mask_function = chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    ours, sdpa = masks(mask_function, padding, **case)
+    assert ours.shape == (2, 1, case.get("q_length", 6), 6)
+    assert torch.equal(ours, sdpa)
+
+
+def test_a_4d_mask_alone_decides_which_keys_a_query_sees():
+    """As in "sdpa" and "eager": no causal or window on top of a 4-D mask, but softcap,
+    sinks and scaling still apply."""
+    module = types.SimpleNamespace(is_causal=True)
+    generator = seeded_generator(4)
+    q = torch.randn(2, 4, 5, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 7, 8, generator=generator) for _ in range(2))
+    sinks = torch.randn(4, generator=generator)
+    mask = torch.rand(2, 1, 5, 7, generator=generator) > 0.3
+    options = dict(scaling=0.5, softcap=1.5, s_aux=sinks)
+    out, _ = hf.mha_ext_attention_forward(module, q, k, v, mask, sliding_window=2, **options)
+    expected = mha_ext.attention(q, k, v, attn_mask=mask, scale=0.5, softcap=1.5, sinks=sinks)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=0)
+    additive = torch.zeros(2, 1, 5, 7).masked_fill(~mask, float("-inf"))
+    out_additive, _ = hf.mha_ext_attention_forward(module, q, k, v, additive, **options)
+    torch.testing.assert_close(out_additive, out, rtol=1e-6, atol=1e-6)
 
 
 # Errors
