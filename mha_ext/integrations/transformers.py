@@ -114,32 +114,26 @@ def mha_ext_attention_forward(
         softcap=0.0 if softcap is None else float(softcap),
         sinks=s_aux,
     )
-    padding = attention_mask is not None and attention_mask.dim() == 2
-    packed = (
-        None
-        if padding
-        else _packed_sequences(
+    if attention_mask is not None and attention_mask.dim() == 2:
+        # Padding comes before packing, as in transformers' flash-attention path.
+        key_mask = _key_mask(attention_mask, key)
+    else:
+        packed = _packed_sequences(
             query, key, position_ids, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k
         )
-    )
-    if packed is not None:
-        out = _varlen_attention(query, key, value, packed, causal, options)
-        return out, None
-    if attention_mask is None:
-        key_mask = None
-    elif padding:
-        key_mask = _key_mask(attention_mask, key)
-    elif attention_mask.dim() == 4:
-        # transformers' 4-D masks hold the whole pattern: causality and window included.
-        key_mask = (
-            attention_mask if attention_mask.dtype == torch.bool else attention_mask.to(query.dtype)
-        )
-        causal, options["window"] = False, None
-    else:
-        raise ValueError(
-            f"mha_ext attention: attention_mask must be None, (batch, kv_len) or 4-D, got "
-            f"shape {tuple(attention_mask.shape)}"
-        )
+        if packed is not None:
+            return _varlen_attention(query, key, value, packed, causal, options), None
+        key_mask = attention_mask
+        if attention_mask is not None:
+            if attention_mask.dim() != 4:
+                raise ValueError(
+                    f"mha_ext attention: attention_mask must be None, (batch, kv_len) or 4-D, "
+                    f"got shape {tuple(attention_mask.shape)}"
+                )
+            # transformers' 4-D masks hold the whole pattern, causality and window included.
+            causal, options["window"] = False, None
+            if attention_mask.dtype != torch.bool:
+                key_mask = attention_mask.to(query.dtype)
     # (B, H, Sq, Dv) in query's memory order: a (B, Sq, H, D) view's transpose costs no copy.
     out = attention(
         query,
