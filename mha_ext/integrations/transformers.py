@@ -20,7 +20,8 @@ It also lets transformers' continuous batching accept "mha_ext" (see
 _allow_in_continuous_batching).
 
 The attention function's paths, in the order transformers' flash-attention path takes them:
-1. a (B, Sk) padding mask: dense attention with a key mask;
+1. a (B, Sk) padding mask: mha_ext.attention with the (B, 1, 1, Sk) key mask beside the
+   fused causal / window paths;
 2. packed sequences -- cu_seq_lens_q / cu_seq_lens_k given (continuous batching,
    DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or batch-1 position_ids that
    restart without a cache -- run through mha_ext.attention_varlen, each sequence alone,
@@ -267,15 +268,15 @@ def _packed_sequences(
         max_k = int(cu_k.diff().max()) if max_length_k is None else int(max_length_k)
         return cu_q, cu_k, max_q, max_k
     seq_len = query.shape[2]
-    if position_ids is None or query.shape[0] != 1 or seq_len < 2 or key.shape[2] != seq_len:
+    one_row = position_ids is not None and position_ids.numel() == seq_len  # not M-RoPE's (3, ...)
+    if not one_row or query.shape[0] != 1 or seq_len < 2 or key.shape[2] != seq_len:
         return None
     positions = position_ids.reshape(-1)
     restarts = torch.nonzero(positions.diff() != 1).flatten() + 1
     if restarts.numel() == 0:
         return None
-    bounds = [torch.zeros(1, dtype=restarts.dtype, device=restarts.device), restarts]
-    bounds.append(torch.full((1,), seq_len, dtype=restarts.dtype, device=restarts.device))
-    cu_seqlens = torch.cat(bounds).to(torch.int32)
+    ends = restarts.new_tensor([0, seq_len])
+    cu_seqlens = torch.cat([ends[:1], restarts, ends[1:]]).to(torch.int32)
     max_seqlen = int(cu_seqlens.diff().max())
     return cu_seqlens, cu_seqlens, max_seqlen, max_seqlen
 
