@@ -310,10 +310,11 @@ def test_hugging_face_llama_with_sdpa(provider):
 # ---- torch.nn.attention.varlen on CPU, through aten::_flash_attention_forward ----
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, window):
+def varlen_reference(q, k, v, cu_q, cu_k, window, scale=None):
     """FlashAttention-2's packed attention, sequence by sequence, in q's dtype: key j is
     visible to query i within [i' - left, i' + right], i' = i + seq_k - seq_q (-1: unbounded);
     a row that sees no key gives 0."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     outs = []
     for b in range(len(cu_q) - 1):
         qs, ks, vs = q[cu_q[b] : cu_q[b + 1]], k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
@@ -325,7 +326,7 @@ def varlen_reference(q, k, v, cu_q, cu_k, window):
             visible &= key >= diagonal - window[0]
         if window[1] >= 0:
             visible &= key <= diagonal + window[1]
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * q.shape[-1] ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         probs = scores.masked_fill(~visible, torch.finfo(q.dtype).min).softmax(-1)
         probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
         outs.append(torch.einsum("hqk,khd->qhd", probs, vs))
@@ -376,6 +377,38 @@ def test_varlen_attn_runs_on_mha_ext(provider):
     with pytest.raises(NotImplementedError, match="seqused_k"):
         used = torch.tensor([7, 4, 3], dtype=torch.int32)
         varlen_attn(q, k, v, *lengths, enable_gqa=True, seqused_k=used)
+
+
+@pytest.mark.cpu_only
+def test_flash_attention_op_on_cpu_keeps_fa2_semantics(provider):
+    """aten::_flash_attention_forward / _backward called as torch's own code calls them: dense
+    (B, S, H, D), is_causal aligned bottom-right (with more queries than keys, the first rows
+    see no key), the outputs shaped as torch's fake kernel says."""
+    generator = seeded_generator(10)
+    q = torch.randn(2, 12, 4, 16, generator=generator)
+    k, v = torch.randn(2, 2, 9, 2, 16, generator=generator)
+    grad_out = torch.randn(q.shape, generator=generator)
+    provider.on()
+
+    def attention_op(q, k, v):
+        args = (None, None, 12, 9, 0.0, True, False)  # cum_seq_q/k, max_q/k, dropout, causal
+        return torch.ops.aten._flash_attention_forward(q, k, v, *args, scale=0.3)
+
+    out, lse, rng_state, unused, debug_mask = attention_op(q, k, v)
+    assert out.stride() == q.stride() and (lse.shape, lse.dtype) == ((2, 4, 12), torch.float32)
+    assert (rng_state.shape, unused.shape, debug_mask.shape) == ((2,), (), (0,))
+    assert torch.isposinf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
+    actual, ran = profiled(lambda: with_grads(lambda *t: attention_op(*t)[0], (q, k, v), grad_out))
+    assert ran == MHA_EXT_OPS
+
+    def reference(q, k, v):  # the batch as packed sequences of equal lengths
+        cu_q, cu_k = torch.tensor([0, 12, 24]), torch.tensor([0, 9, 18])
+        packed = varlen_reference(*(t.flatten(0, 1) for t in (q, k, v)), cu_q, cu_k, (-1, 0), 0.3)
+        return packed.unflatten(0, (2, 12))
+
+    reference64 = with_grads(reference, [t.double() for t in (q, k, v)], grad_out.double())
+    plain = with_grads(reference, (q, k, v), grad_out)
+    assert_torch_result(actual, reference64, plain, "dense causal")
 
 
 # ---- calls mha_ext cannot take: torch's kernel runs, with torch's results ----
