@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.attention
 from torch import Tensor
 
 from .. import ops
