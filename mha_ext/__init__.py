@@ -24,6 +24,7 @@ from .functional import (
     scaled_dot_product_attention,
     slot_mapping_for,
 )
+from .integrations import torch_sdpa  # noqa: F401  (registers torch's SDPA provider "mha_ext")
 from .kv_cache import CacheBatch, PagedKVCache
 from .modules import PRESETS, AttentionConfig, MultiHeadAttention
 
