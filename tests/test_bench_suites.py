@@ -49,3 +49,51 @@ def test_variants_and_varlen_suites_write_json_and_tables(tmp_path):
     assert [r["params"]["layout"] for r in varlen] == ["packed", "uniform"]
     assert all(set(r["results"]) == {"mha_ext", "torch_sdpa"} for r in varlen)
     assert "packed documents run at" in result.stdout
+
+
+def test_integrations_suite_times_each_interface_against_the_direct_call(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_ext.bench",
+            "--suite",
+            "integrations",
+            "--seq",
+            "64",
+            "--dtype",
+            "float32",
+            "--repeats",
+            "1",
+            "--no-plots",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    data = json.loads((tmp_path / "results.json").read_text())
+    cases = data["results"]
+    integrations = [r["params"]["integration"] for r in cases]
+    # Per interface: the small forward and, at the one --seq, forward and forward + backward.
+    for name in ("flash_attn_func", "torch_sdpa_provider", "transformers"):
+        assert integrations.count(name) == 3
+    assert integrations.count("flash_attn_with_kvcache") == 1
+    for case in cases:
+        expected = {"integration", "mha_ext"}
+        if case["params"]["integration"] == "torch_sdpa_provider":
+            expected.add("torch_sdpa")
+        if case["params"]["integration"] == "transformers" and case["unsupported"]:
+            continue  # transformers is an optional extra
+        assert set(case["results"]) == expected, case
+    assert "time an interface adds to the direct mha_ext call:" in result.stdout
+
+
+def test_sdpa_provider_is_active_only_inside_its_contenders_context():
+    from torch.nn.attention import current_flash_attention_impl
+
+    before = current_flash_attention_impl()
+    with suites._sdpa_provider_active():
+        assert current_flash_attention_impl() == "mha_ext"
+    assert current_flash_attention_impl() == before
