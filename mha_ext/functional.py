@@ -288,7 +288,8 @@ def scaled_dot_product_attention(
     Same signature (scale and enable_gqa keyword-only), shapes and results: q (..., L, E),
     k (..., S, E), v (..., S, Ev) of 2 or more dims whose leading dims broadcast (folded into
     the kernels' batch, as views where the strides allow); a bool (True = attend), float32 or
-    query-dtype attn_mask that broadcasts to the attention weights (..., L, S); is_causal
+    query-dtype attn_mask that broadcasts to the attention weights (..., L, S) (a float32
+    mask reaches the kernels in query's dtype, rounded for half types); is_causal
     aligned top-left; dropout applied whenever dropout_p > 0 (1 gives zeros); GQA (dim -3)
     only with enable_gqa=True; zeros shaped by query when L is 0 or value is empty. A row
     that sees no key gives 0, as torch gives.
