@@ -329,7 +329,10 @@ def scaled_dot_product_attention(
     out_shape = batch + (query.shape[-2], value.shape[-1])  # (..., L, Ev)
     # What the kernels need that torch does not: a contiguous last dim, one mask dtype,
     # k and v with one head count, a (B, H, N, D) batch.
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if not query.stride(-1) == key.stride(-1) == value.stride(-1) == 1:
+        query, key, value = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)
+        )
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, query.dtype):
         attn_mask = attn_mask.to(query.dtype)
     if enable_gqa and key.shape[-3] != value.shape[-3]:
