@@ -6,6 +6,8 @@ set (both causal alignments, sliding windows, logsumexp output). Shapes are
 .transpose(1, 2) views, without copies.
 """
 
+import math
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
@@ -16,6 +18,9 @@ from . import ops
 CAUSAL_ALIGNMENTS = (None, "top_left", "bottom_right")
 
 _INT64 = torch.iinfo(torch.int64)
+
+# The dtypes the kernels compute in (csrc/ops/tensor_checks.cpp checks the same list).
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def draw_dropout_seed(device: Union[str, torch.device]) -> Tensor:
@@ -273,48 +278,331 @@ def scaled_dot_product_attention(
     attn_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention on the fused kernels.
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention (torch 2.14, CPU) on the
+    fused kernels.
 
-    Same arguments and semantics: (N, H, L, E) or (N, L, E) inputs, a bool (True = attend)
-    or additive attn_mask broadcastable to (N, H, L, S), is_causal aligned top-left,
-    dropout applied whenever dropout_p > 0, and GQA only with enable_gqa=True. Where torch
-    rejects attn_mask together with is_causal, this applies both. Rows that see no key
-    give 0 here where torch's math path gives NaN.
+    Same signature (scale and enable_gqa keyword-only), shapes and results: q (..., L, E),
+    k (..., S, E), v (..., S, Ev) of 2 or more dims whose leading dims broadcast (folded into
+    the kernels' batch, as views where the strides allow); a bool (True = attend), float32 or
+    query-dtype attn_mask that broadcasts to the attention weights (..., L, S) (a float32
+    mask reaches the kernels in query's dtype, rounded for half types); is_causal
+    aligned top-left; dropout applied whenever dropout_p > 0 (1 gives zeros); GQA (dim -3)
+    only with enable_gqa=True; zeros shaped by query when L is 0 or value is empty. A row
+    that sees no key gives 0, as torch gives.
+
+    Where torch raises, this raises the same exception class (TypeError, RuntimeError,
+    IndexError, NotImplementedError) with a message naming the arguments and values. It
+    departs from torch where torch's result is undefined or out of the kernels' reach:
+    key and value of different lengths, a non-finite scale, GQA with 0 kv heads, and a
+    negative or NaN dropout_p raise RuntimeError (torch reads past value's rows, gives NaN,
+    divides by zero, or ignores the bad dropout_p on its math path); head dims above 256
+    raise RuntimeError; an attn_mask that requires grad raises ValueError (the kernels give
+    the mask no gradient); nested tensors raise RuntimeError. is_causal with a negative
+    scale gives the softmax of the scaled scores, as torch's math path does (its CPU flash
+    kernel returns NaN).
+    The extended features (bottom-right causal, windows, lse, softcap, ALiBi, sinks, mask
+    and is_causal together) are in mha_ext.attention.
     """
     fn = "mha_ext.scaled_dot_product_attention"
-    rank = query.dim()
-    if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
-        raise ValueError(
-            f"{fn}: query, key and value must all be 3-D (N, L, E) or all 4-D (N, H, L, E), "
-            f"got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+    _check_sdpa_argument_types(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, fn
+    )
+    dropout_p = dropout_p.item() if isinstance(dropout_p, Tensor) else dropout_p
+    scale = scale.item() if isinstance(scale, Tensor) else scale
+    _check_sdpa_inputs(query, key, value, attn_mask, is_causal, fn)
+    if query.shape[-2] == 0 or value.numel() == 0:
+        # torch 2.14 returns zeros (..., L, Ev) shaped by query alone for no queries or no
+        # values, before checking anything else (dropout_p, heads, broadcasting, the mask).
+        return _sdpa_zeros(query, key, value)
+    if enable_gqa:
+        _check_sdpa_grouped_heads(query, key, value, fn)
+    batch, weights_shape = _sdpa_batch_shapes(query, key, value, enable_gqa, fn)
+    if attn_mask is not None:
+        _check_sdpa_mask_shape(
+            query, key, value, attn_mask, dropout_p, enable_gqa, weights_shape, fn
         )
-    if not enable_gqa and query.shape[-3] != key.shape[-3]:
-        raise ValueError(
-            f"{fn}: query has {query.shape[-3]} heads but key has {key.shape[-3]}; "
-            f"pass enable_gqa=True for grouped-query attention"
+    _check_sdpa_computable(query, key, value, dropout_p, fn)
+    out_shape = batch + (query.shape[-2], value.shape[-1])  # (..., L, Ev)
+    # What the kernels need that torch does not: a contiguous last dim, one mask dtype,
+    # k and v with one head count, a (B, H, N, D) batch.
+    if not query.stride(-1) == key.stride(-1) == value.stride(-1) == 1:
+        query, key, value = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value)
         )
-    unbatched_heads = rank == 3
-    if unbatched_heads:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        if attn_mask is not None and attn_mask.dim() == 3:  # (N, L, S) -> (N, 1, L, S)
-            attn_mask = attn_mask.unsqueeze(1)
-    # is_causal is top-left causal; the window bounds as _window_bounds gives them.
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, query.dtype):
+        attn_mask = attn_mask.to(query.dtype)
+    if enable_gqa and key.shape[-3] != value.shape[-3]:
+        # torch repeats each to query's heads; the kernels want one kv head count.
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    if math.prod(batch) == 0:
+        # Nothing to compute: empty kernel inputs (the kernels want heads >= 1), sliced from
+        # the inputs so that backward gives them the zero gradients torch gives.
+        query, key, value = (
+            t.flatten()[:0].view(0, 1, 0, t.shape[-1]) for t in (query, key, value)
+        )
+        attn_mask = None
+    else:
+        heads = batch[-1] if batch else 1
+        kv_heads = key.shape[-3] if enable_gqa else heads  # GQA: the kernels group the heads
+        query = _sdpa_kernel_batch(query, batch, heads)  # (B, H, L, E)
+        key = _sdpa_kernel_batch(key, batch[:-1] + (kv_heads,), kv_heads)  # (B, Hkv, S, E)
+        value = _sdpa_kernel_batch(value, batch[:-1] + (kv_heads,), kv_heads)  # (B, Hkv, S, Ev)
+        if attn_mask is not None and len(batch) > 2:
+            # Fold the mask's leading dims as q's, keeping its heads / L / S dims (size 1 or
+            # full: the kernels broadcast those without a copy). (B, Hm, Lm, Sm)
+            lead_ones = (1,) * (len(batch) + 2 - attn_mask.dim())
+            attn_mask = attn_mask.reshape(lead_ones + attn_mask.shape)
+            attn_mask = attn_mask.expand(batch[:-1] + attn_mask.shape[-3:]).flatten(0, -4)
+    # With E = 0 every score is an empty dot product, 0 whatever the scale (torch's default
+    # 1/sqrt(0) is inf), and torch gives the mean of the visible values: so does scale 1.
+    if query.shape[-1] == 0:
+        scale = 1.0
     out, _ = _attention_forward(
         query,
         key,
         value,
         attn_mask,
-        dropout_p,
+        0.0 if dropout_p == 1 else dropout_p,
         scale,
         -1,
         0 if is_causal else -1,
         not is_causal,
         fn,
     )
-    return out.squeeze(1) if unbatched_heads else out
+    if dropout_p == 1:
+        # Dropping every weight leaves zeros; multiplying keeps the graph, so q, k and v get
+        # the zero gradients torch gives them.
+        out = out * 0
+    return out if out.shape == out_shape else out.reshape(out_shape)
+
+
+def _sdpa_zeros(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Zeros (..., L, Ev) in query's dtype; when an input requires grad, tied to all three by
+    sums over nothing, so backward gives them the zero gradients torch gives (whatever
+    their values, NaN included)."""
+    out = query.new_zeros(query.shape[:-1] + (value.shape[-1],))
+    if not (
+        torch.is_grad_enabled()
+        and (query.requires_grad or key.requires_grad or value.requires_grad)
+    ):
+        return out
+    nothing = query[..., :0].sum(-1, keepdim=True) + key[..., :0].sum() + value[..., :0].sum()
+    return out + nothing
+
+
+def _check_sdpa_argument_types(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, fn: str
+) -> None:
+    """TypeError where torch's argument parser rejects an argument: tensors must be Tensors,
+    floats real numbers or 0-d tensors that need no grad, bools Python bools."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{fn}: argument '{name}' must be Tensor, not {type(tensor).__name__}")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(
+            f"{fn}: argument 'attn_mask' must be Tensor or None, not {type(attn_mask).__name__}"
+        )
+    for name, number in (("dropout_p", dropout_p), ("scale", scale)):
+        if name == "scale" and number is None:
+            continue
+        if type(number) in (float, int, bool):
+            continue
+        if isinstance(number, Tensor):
+            real = number.dim() == 0 and not number.requires_grad
+        else:
+            real = isinstance(number, (numbers.Real, torch.SymInt, torch.SymFloat))
+        if not real:
+            raise TypeError(f"{fn}: argument '{name}' must be float, not {_type_name(number)}")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, (bool, torch.SymBool)):
+            raise TypeError(f"{fn}: argument '{name}' must be bool, not {type(flag).__name__}")
+
+
+def _type_name(value) -> str:
+    if isinstance(value, Tensor):
+        return f"Tensor of shape {tuple(value.shape)}{' requiring grad' * value.requires_grad}"
+    return type(value).__name__
+
+
+def _check_sdpa_inputs(query, key, value, attn_mask, is_causal, fn: str) -> None:
+    """RuntimeError for what torch's validate_sdpa_input rejects: checked before anything
+    else, empty inputs included."""
+    if query.is_nested or key.is_nested or value.is_nested:
+        raise RuntimeError(
+            f"{fn}: nested tensors are not supported; pack the sequences for "
+            f"mha_ext.attention_varlen instead"
+        )
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(
+            f"{fn}: query, key and value must have the same dtype, got query {query.dtype}, "
+            f"key {key.dtype}, value {value.dtype}"
+        )
+    if not query.device == key.device == value.device:
+        raise RuntimeError(
+            f"{fn}: query, key and value must be on the same device, got query on "
+            f"{query.device}, key on {key.device}, value on {value.device}"
+        )
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(
+            f"{fn}: attn_mask must be torch.bool, torch.float32 or query's dtype "
+            f"{query.dtype}, got {attn_mask.dtype}"
+        )
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise RuntimeError(
+            f"{fn}: query, key and value must be at least 2-D (..., L or S, E), got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if is_causal and attn_mask is not None:
+        raise RuntimeError(
+            f"{fn}: attn_mask must be None when is_causal=True (torch rejects both together), "
+            f"got a mask of shape {tuple(attn_mask.shape)}; mha_ext.attention(causal="
+            f"'top_left', attn_mask=...) applies both"
+        )
+
+
+def _check_sdpa_computable(query, key, value, dropout_p, fn: str) -> None:
+    """What torch rejects once it computes (after the shape checks)."""
+    if query.dtype not in KERNEL_DTYPES:
+        # torch: RuntimeError for integer dtypes, NotImplementedError (a RuntimeError) for
+        # the floating and complex ones its kernels lack.
+        floating = query.dtype.is_floating_point or query.dtype.is_complex
+        raise (NotImplementedError if floating else RuntimeError)(
+            f"{fn}: query, key and value have dtype {query.dtype}; supported dtypes are "
+            f"{', '.join(str(dtype) for dtype in KERNEL_DTYPES)}"
+        )
+    if not 0.0 <= dropout_p <= 1.0:
+        raise RuntimeError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
+    if query.shape[-1] != key.shape[-1]:
+        raise RuntimeError(
+            f"{fn}: query and key must share the embedding dim E, got query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise RuntimeError(
+            f"{fn}: key and value must share the source length S, got key "
+            f"{tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+
+
+def _check_sdpa_grouped_heads(query: Tensor, key: Tensor, value: Tensor, fn: str) -> None:
+    """enable_gqa=True: torch reads the heads from dim -3 (IndexError below 3-D) and repeats
+    kv head j for query heads j * g .. j * g + g - 1 (the kernels' own GQA mapping), so the
+    heads of key and of value must each divide query's."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() < 3:
+            raise IndexError(
+                f"{fn}: enable_gqa=True reads the heads from dim -3, but {name} has shape "
+                f"{tuple(tensor.shape)}"
+            )
+    heads = query.shape[-3]
+    for name, tensor in (("key", key), ("value", value)):
+        kv_heads = tensor.shape[-3]
+        if (heads % kv_heads != 0) if kv_heads != 0 else heads != 0:
+            raise RuntimeError(
+                f"{fn}: with enable_gqa=True the heads of key and value must divide query's "
+                f"{heads} heads, got {name} with {kv_heads}"
+            )
+
+
+def _broadcast_shapes(named_shapes, fn: str) -> Tuple:
+    """numpy-style broadcast of the shapes (the batch dims torch's matmuls broadcast);
+    RuntimeError naming the tensors when they do not broadcast."""
+    first = named_shapes[0][1]
+    if all(shape == first for _, shape in named_shapes):
+        return first
+    rank = max(len(shape) for _, shape in named_shapes)
+    result = []
+    for dim in range(rank):
+        size = 1
+        for _, shape in named_shapes:
+            index = dim - rank + len(shape)
+            if index < 0 or shape[index] == 1:
+                continue
+            if size != 1 and shape[index] != size:
+                listed = ", ".join(f"{name} {tuple(shape)}" for name, shape in named_shapes)
+                raise RuntimeError(f"{fn}: the leading (batch) dims do not broadcast: {listed}")
+            size = shape[index]
+        result.append(size)
+    return tuple(result)
+
+
+def _sdpa_batch_shapes(
+    query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool, fn: str
+) -> Tuple[Tuple, Tuple]:
+    """(batch, weights_shape): the broadcast leading dims of the output (its heads last),
+    and the shape (..., L, S) of the attention weights an attn_mask must broadcast to."""
+    # Leading dims; under GQA the kv heads stand for query's (grouped, not broadcast).
+    tail = 3 if enable_gqa else 2
+    q_shape, k_shape = query.shape, key.shape
+    q_lead, k_lead, v_lead = q_shape[:-tail], k_shape[:-tail], value.shape[:-tail]
+    heads = (q_shape[-3],) if enable_gqa else ()
+    weights_lead = _broadcast_shapes((("query", q_lead), ("key", k_lead)), fn)
+    batch = tuple(
+        weights_lead
+        if v_lead == weights_lead
+        else _broadcast_shapes((("query", q_lead), ("key", k_lead), ("value", v_lead)), fn)
+    )
+    batch += heads
+    weights_shape = tuple(weights_lead) + heads + (q_shape[-2], k_shape[-2])
+    if len(q_shape) == len(k_shape) == value.dim() == 3:
+        # torch 2.14 runs 3-D inputs as (1, N, L, E): a mask may carry that leading 1.
+        weights_shape = (1,) + weights_shape
+    return batch, weights_shape
+
+
+def _check_sdpa_mask_shape(
+    query, key, value, attn_mask, dropout_p, enable_gqa, weights_shape, fn: str
+) -> None:
+    """torch adds the mask to the weights in place: it must broadcast to their shape without
+    growing it. A mask of fewer than 2 dims is an IndexError where torch 2.14's CPU flash
+    kernel would take the call (its gate reads attn_mask.size(-2)), and broadcasts elsewhere."""
+    if attn_mask.dim() < 2 and _torch_cpu_flash_gate_reads_mask(
+        query, key, value, dropout_p, enable_gqa
+    ):
+        raise IndexError(
+            f"{fn}: attn_mask of shape {tuple(attn_mask.shape)} has no (L, S) dims; torch "
+            f"needs at least 2 for 4-D query, key and value"
+        )
+    mask_shape = tuple(attn_mask.shape)
+    fits = len(mask_shape) <= len(weights_shape) and all(
+        size == 1 or size == full for size, full in zip(mask_shape[::-1], weights_shape[::-1])
+    )
+    if not fits:
+        raise RuntimeError(
+            f"{fn}: attn_mask of shape {mask_shape} does not broadcast to the attention "
+            f"weights' shape {weights_shape}"
+        )
+
+
+def _torch_cpu_flash_gate_reads_mask(query, key, value, dropout_p, enable_gqa) -> bool:
+    """Whether torch 2.14's CPU flash gate gets as far as the mask's shape: 4-D inputs, no
+    dropout, a nonzero batch size shared by all three, and heads it takes (equal, k and v
+    with one head, or k and v sharing a head count that divides query's under enable_gqa).
+    (Its zero-length checks come first too; empty L or S never get here.)"""
+    if not (query.dim() == key.dim() == value.dim() == 4) or dropout_p > 0:
+        return False
+    batch, heads, kv_heads = query.shape[0], query.shape[1], key.shape[1]
+    if 0 in (batch, heads) or not batch == key.shape[0] == value.shape[0]:
+        return False
+    if kv_heads != value.shape[1]:
+        return False
+    return kv_heads in (heads, 1) or (enable_gqa and heads % kv_heads == 0)
+
+
+def _sdpa_kernel_batch(tensor: Tensor, batch: Tuple, heads) -> Tensor:
+    """tensor (..., N, D) as the kernels' (B, heads, N, D): broadcast to `batch`, the leading
+    dims folded into B (a view unless broadcast dims must merge with others)."""
+    lead = tensor.shape[:-2]
+    if lead == batch and len(batch) == 2:
+        return tensor  # already (B, H, N, D): the common case pays no view
+    if lead != batch:
+        tensor = tensor.expand(batch + tensor.shape[-2:])
+    return tensor.reshape((math.prod(batch[:-1]), heads) + tensor.shape[-2:])
 
 
 def attention_probs(

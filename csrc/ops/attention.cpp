@@ -68,8 +68,9 @@ struct AttentionAutograd<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, c
       const variable_list saved = ctx->get_saved_variables();
       at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
       // The kernels read rows of grad_out; a broadcast gradient (out.sum() gives stride 0)
-      // has to become real rows first.
-      if (grad_out.dim() > 0 && grad_out.stride(-1) != 1) grad_out = grad_out.contiguous();
+      // has to become real rows first. sym_stride: under torch.compile's dynamic shapes
+      // stride() would specialize every stride of the traced gradient to its example value.
+      if (grad_out.dim() > 0 && grad_out.sym_stride(-1) != 1) grad_out = grad_out.contiguous();
       const std::optional<at::Tensor> grad_lse =
           grads[1].defined() ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
       auto [grad_q, grad_k, grad_v, grad_sinks] = std::apply(
