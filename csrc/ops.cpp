@@ -16,7 +16,9 @@ TORCH_LIBRARY(mha_ext, m) {
   // batch + 1) the call is packed: q [total_q, heads, head_dim], k/v [total_k, kv_heads, ...],
   // sequence b at rows cu_seqlens[b] .. cu_seqlens[b + 1] (seqused_k[b] of its keys when
   // given), max_seqlen_* bounding the lengths; out and lse are then [total_q, heads,
-  // head_dim_v] and [heads, total_q]. deterministic makes the backward reproducible.
+  // head_dim_v] and [heads, total_q]; max_seqlen_* are SymInt so that torch.compile keeps
+  // them symbolic (one graph for every length). deterministic makes the backward
+  // reproducible.
   // Returns out [batch, heads, seq_q, head_dim_v] and the natural-log logsumexp
   // [batch, heads, seq_q] (fp32; fp64 for fp64 inputs).
   m.def(
@@ -24,7 +26,7 @@ TORCH_LIBRARY(mha_ext, m) {
       "float dropout_p, float scale, int window_left, int window_right, bool bottom_right, "
       "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_k=None, "
-      "int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=False) "
+      "SymInt max_seqlen_q=0, SymInt max_seqlen_k=0, bool deterministic=False) "
       "-> (Tensor out, Tensor lse)");
 
   // Gradients of attention_forward from its saved out and lse (FlashAttention-2 recompute).
@@ -36,7 +38,7 @@ TORCH_LIBRARY(mha_ext, m) {
       "float scale, int window_left, int window_right, bool bottom_right, "
       "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_k=None, "
-      "int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=False) "
+      "SymInt max_seqlen_q=0, SymInt max_seqlen_k=0, bool deterministic=False) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
 
   // The keep-mask [batch, heads, seq_q, seq_k] (bool) that attention with this seed and

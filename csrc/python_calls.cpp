@@ -69,11 +69,11 @@ class Arguments {
       const double value = PyFloat_AsDouble(arg);
       if (value == -1.0 && PyErr_Occurred()) throw python_error();
       return value;
-    } else if constexpr (std::is_same_v<T, int64_t>) {
+    } else if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, c10::SymInt>) {
       if (!PyLong_Check(arg)) throw wrong_type("an int", arg);
       const long long value = PyLong_AsLongLong(arg);
       if (value == -1 && PyErr_Occurred()) throw python_error();
-      return value;
+      return T(value);
     } else {
       static_assert(std::is_same_v<T, bool>, "an argument type the direct calls cannot read");
       if (!PyBool_Check(arg)) throw wrong_type("a bool", arg);

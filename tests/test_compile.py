@@ -37,20 +37,20 @@ def _dynamic(tensor, *dims):
     return tensor
 
 
-def _check_lengths(fn, make_inputs, backend="aot_eager", mutated=()):
+def _check_lengths(fn, make_inputs, backend="aot_eager", mutated=(), compiles=1, lengths=LENGTHS):
     """Runs fn compiled and eagerly on make_inputs(n) for each n in LENGTHS: equal outputs,
     equal inputs at the indices `mutated` (in-place ops), equal gradients of the inputs that
-    require grad (through fn's first output), and one compiled frame for all lengths
-    (error_on_recompile makes a recompile raise, naming the guard that failed)."""
+    require grad (through fn's first output), and `compiles` compiled frames for all lengths
+    (error_on_recompile makes a later recompile raise, naming the guard that failed)."""
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
-    for index, length in enumerate(LENGTHS):
+    for index, length in enumerate(lengths):
         inputs = make_inputs(length)
         eager_inputs = [
             x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x
             for x in inputs
         ]
-        with torch._dynamo.config.patch(error_on_recompile=index > 0):
+        with torch._dynamo.config.patch(error_on_recompile=index >= compiles):
             actual = compiled(*inputs)
         expected = fn(*eager_inputs)
         torch.testing.assert_close(actual, expected)
@@ -67,7 +67,7 @@ def _check_lengths(fn, make_inputs, backend="aot_eager", mutated=()):
                 torch.autograd.grad(actual, leaves, weights),
                 torch.autograd.grad(expected, eager_leaves, weights),
             )
-    assert counter.frame_count == 1
+    assert counter.frame_count == compiles
 
 
 def _qkv(length, requires_grad=False):
@@ -108,11 +108,10 @@ def test_attention_with_a_dynamic_mask():
 
 
 def test_attention_varlen_forward_and_backward():
-    # max_seqlen is an int of the op's schema: dynamo specializes it, so a new value would
-    # recompile. It bounds the lengths, so a fixed bound (the model's longest) serves all.
-    max_seqlen = 24
-
-    def attend(q, k, v, cu_seqlens):
+    # max_seqlen changes with the lengths. Dynamo compiles a Python int argument as a
+    # constant first and, when it changes, once more with it symbolic (automatic dynamic);
+    # the op's SymInt max_seqlen arguments keep it symbolic from then on.
+    def attend(q, k, v, cu_seqlens, max_seqlen):
         return mha_ext.attention_varlen(
             q,
             k,
@@ -132,9 +131,9 @@ def test_attention_varlen_forward_and_backward():
         q = _dynamic(_randn(total, H, D, requires_grad=True), 0)
         k = _dynamic(_randn(total, HKV, D, requires_grad=True), 0)
         v = _dynamic(_randn(total, HKV, D, requires_grad=True), 0)
-        return [q, k, v, cu_seqlens]
+        return [q, k, v, cu_seqlens, length + 4]
 
-    _check_lengths(attend, inputs)
+    _check_lengths(attend, inputs, compiles=2, lengths=LENGTHS + (30,))
 
 
 def test_scaled_dot_product_attention_forward_and_backward():

@@ -778,16 +778,20 @@ def test_compile_flash_attn_func_without_recompiling_per_length():
 
 def test_compile_flash_attn_varlen_func_without_recompiling_per_length():
     compiled, counter = compiled_with_counter(flash_attn_varlen_func)
-    for q_lens, k_lens in (([3, 5], [4, 5]), ([5, 1], [5, 2]), ([2, 5], [5, 5])):
+    batches = (([3, 5], [4, 5]), ([6, 1], [6, 2]), ([2, 7], [5, 7]), ([9, 4], [9, 6]))
+    for step, (q_lens, k_lens) in enumerate(batches):
         cu_q, cu_k = (torch.tensor(cumulative(n), dtype=torch.int32) for n in (q_lens, k_lens))
         q = randn(sum(q_lens), HEADS, HEAD_DIM, seed=sum(q_lens))
         k, v = (randn(sum(k_lens), KV_HEADS, HEAD_DIM, seed=sum(k_lens) + s) for s in (0, 1))
         for x in (q, k, v):
             torch._dynamo.mark_dynamic(x, 0)
-        args = (q, k, v, cu_q, cu_k, 5, 5)
-        out = compiled(*args, causal=True)
+        args = (q, k, v, cu_q, cu_k, max(q_lens), max(k_lens))
+        # The max_seqlen ints are constants in the first graph; once they change dynamo
+        # compiles them symbolic (automatic dynamic), and no new value recompiles after that.
+        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
+            out = compiled(*args, causal=True)
         torch.testing.assert_close(out, flash_attn_varlen_func(*args, causal=True))
-    assert counter.frame_count == 1
+    assert counter.frame_count == 2
 
 
 def test_compile_flash_attn_with_kvcache_without_recompiling_per_length():

@@ -217,7 +217,10 @@ def schema_types(op):
     schema's "Tensor(a!)")."""
     schema = getattr(torch.ops.mha_ext, op).default._schema
     arguments = [
-        str(a.type).replace("Optional[Tensor]", "Tensor?")
+        # A SymInt argument's type is int; its real_type says SymInt (but prints "int").
+        ("SymInt" if isinstance(a.real_type, torch.SymIntType) else str(a.type)).replace(
+            "Optional[Tensor]", "Tensor?"
+        )
         + ("!" if a.alias_info is not None and a.alias_info.is_write else "")
         for a in schema.arguments
     ]
@@ -240,9 +243,18 @@ VALID = {
     "Tensor?": None,
     "float": 1.0,
     "int": 1,
+    "SymInt": 1,
     "bool": True,
 }
-WRONG = {"Tensor": "x", "Tensor!": "x", "Tensor?": 1.5, "float": "x", "int": 1.5, "bool": 1}
+WRONG = {
+    "Tensor": "x",
+    "Tensor!": "x",
+    "Tensor?": 1.5,
+    "float": "x",
+    "int": 1.5,
+    "SymInt": 1.5,
+    "bool": 1,
+}
 
 
 @pytest.mark.parametrize("op", ["attention_forward", "paged_kv_append", "paged_attention"])

@@ -332,12 +332,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic) {
+    c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, bool deterministic) {
   AttentionForwardCall call;
-  call.params = make_attention_params(q, k, v, attn_mask, dropout_seed, dropout_p, scale,
-                                      window_left, window_right, bottom_right, softcap,
-                                      alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                      max_seqlen_q, max_seqlen_k, Backend::kIndicesOnHost);
+  call.params = make_attention_params(
+      q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right,
+      softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+      max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), Backend::kIndicesOnHost);
   call.out = empty_attention_output(q, call.params.head_dim_v);
   call.lse = at::empty(lse_shape(q), accumulate_options(q));
   set_forward_outputs(call.params, call.out, call.lse);
@@ -422,12 +422,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic) {
+    c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, bool deterministic) {
   AttentionBackwardCall call;
   static_cast<AttentionForwardParams&>(call.params) = make_attention_params(
       q, k, v, attn_mask, dropout_seed, dropout_p, scale, window_left, window_right, bottom_right,
-      softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-      max_seqlen_k, Backend::kIndicesOnHost);
+      softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+      max_seqlen_q.expect_int(), max_seqlen_k.expect_int(), Backend::kIndicesOnHost);
   call.params.deterministic = deterministic;
   check_backward_args(call.params, grad_out, out, lse, grad_lse, q);
   fill_backward_tensors(call, grad_out, grad_lse, q, k, v, out, lse);

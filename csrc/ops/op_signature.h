@@ -38,7 +38,7 @@ const c10::TypedOperatorHandle<typename Op::Signature>& op_handle() {
 }
 
 // The schema's spelling of a C++ argument or return type: "Tensor", "Tensor?", "float",
-// "int", "bool"; a mutable tensor reference is "Tensor(a!)" in a schema, "Tensor!" here.
+// "int", "SymInt", "bool"; a mutable tensor reference is "Tensor(a!)" in a schema, "Tensor!" here.
 template <typename T>
 std::string schema_type_name() {
   using Value = std::remove_cv_t<std::remove_reference_t<T>>;
@@ -52,6 +52,8 @@ std::string schema_type_name() {
     return "float";
   } else if constexpr (std::is_same_v<Value, int64_t>) {
     return "int";
+  } else if constexpr (std::is_same_v<Value, c10::SymInt>) {
+    return "SymInt";
   } else if constexpr (std::is_same_v<Value, bool>) {
     return "bool";
   } else {
