@@ -7,6 +7,13 @@ import sys
 from mha_ext.bench import suites
 
 
+def run_bench(tmp_path, *arguments):
+    """python -m mha_ext.bench with the given arguments, fp32, one repeat, results in tmp_path."""
+    command = [sys.executable, "-m", "mha_ext.bench", *arguments, "--dtype", "float32"]
+    command += ["--repeats", "1", "--no-plots", "--out", str(tmp_path)]
+    return subprocess.run(command, capture_output=True, text=True, check=True)
+
+
 def test_varlen_document_lengths_fill_the_tokens_log_uniformly():
     lengths = suites.varlen_document_lengths(16384)
     assert sum(lengths) == 16384
@@ -16,29 +23,8 @@ def test_varlen_document_lengths_fill_the_tokens_log_uniformly():
 
 
 def test_variants_and_varlen_suites_write_json_and_tables(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mha_ext.bench",
-            "--suite",
-            "variants",
-            "varlen",
-            "--seq",
-            "128",
-            "--varlen-tokens",
-            "1024",
-            "--dtype",
-            "float32",
-            "--repeats",
-            "1",
-            "--no-plots",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    result = run_bench(
+        tmp_path, "--suite", "variants", "varlen", "--seq", "128", "--varlen-tokens", "1024"
     )
     data = json.loads((tmp_path / "results.json").read_text())
     variants = [r for r in data["results"] if r["suite"] == "variants"]
@@ -52,27 +38,7 @@ def test_variants_and_varlen_suites_write_json_and_tables(tmp_path):
 
 
 def test_integrations_suite_times_each_interface_against_the_direct_call(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mha_ext.bench",
-            "--suite",
-            "integrations",
-            "--seq",
-            "64",
-            "--dtype",
-            "float32",
-            "--repeats",
-            "1",
-            "--no-plots",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = run_bench(tmp_path, "--suite", "integrations", "--seq", "64")
     data = json.loads((tmp_path / "results.json").read_text())
     cases = data["results"]
     integrations = [r["params"]["integration"] for r in cases]

@@ -711,8 +711,8 @@ def _kvcache_integration_case(dtype, device) -> Case:
     order = torch.randperm(batch * blocks_per_seq, generator=generator)
     block_table = order.view(batch, blocks_per_seq).to(device=device, dtype=torch.int32)
     cache_seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q, k_new, v_new = randn(batch, 1, heads, head_dim), randn(batch, 1, kv_heads, head_dim), None
-    v_new = randn(batch, 1, kv_heads, head_dim)
+    q = randn(batch, 1, heads, head_dim)
+    k_new, v_new = (randn(batch, 1, kv_heads, head_dim) for _ in "kv")
     new_positions = cache_seqlens.to(torch.int64)
     slot_mapping = (
         block_table.gather(1, (new_positions // block_size)[:, None])[:, 0].to(torch.int64)
