@@ -475,59 +475,57 @@ def _check_inputs(q, k, v, strategy, load_balance, dropout_p, world_size) -> Non
         )
 
 
-_AGREED_FIELDS = (
-    "batch",
-    "heads",
-    "kv_heads",
-    "q seq_local",
-    "k seq_local",
-    "head_dim",
-    "v head_dim",
-    "dtype",
-    "strategy",
-    "load_balance",
-    "window_left",
-    "window_right",
-    "bottom_right",
-    "scale",
-)
+_LOAD_BALANCE_CODES = (None, "zigzag")
 
 
 def _check_ranks_agree(q, k, v, strategy, load_balance, causal, window, scale, group) -> None:
     """Compares the shapes and options of every rank (one small all_gather), so that a
     mismatch raises the same error on every rank instead of hanging a collective."""
     left, right, bottom_right = functional._window_bounds(causal, window, _FN)
-    values = (
-        *q.shape[:3],
-        k.shape[1],
-        k.shape[2],
-        q.shape[3],
-        v.shape[3],
-        functional.KERNEL_DTYPES.index(q.dtype) if q.dtype in functional.KERNEL_DTYPES else -1,
-        STRATEGIES.index(strategy),
-        0 if load_balance is None else 1,
-        left,
-        right,
-        int(bottom_right),
-        scale,
-    )
-    mine = torch.tensor(values, dtype=torch.float64, device=q.device)
+    dtypes = functional.KERNEL_DTYPES
+    fields = {
+        "batch": q.shape[0],
+        "heads": q.shape[1],
+        "kv_heads": k.shape[1],
+        "q seq_local": q.shape[2],
+        "k seq_local": k.shape[2],
+        "head_dim": q.shape[3],
+        "v head_dim": v.shape[3],
+        "dtype": dtypes.index(q.dtype) if q.dtype in dtypes else -1,
+        "strategy": STRATEGIES.index(strategy),
+        "load_balance": _LOAD_BALANCE_CODES.index(load_balance),
+        "window_left": left,
+        "window_right": right,
+        "bottom_right": int(bottom_right),
+        "scale": scale,
+    }
+    mine = torch.tensor(list(fields.values()), dtype=torch.float64, device=q.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     differ = [
-        field
-        for index, field in enumerate(_AGREED_FIELDS)
-        if any(other[index] != mine[index] for other in everyone)
+        index for index in range(len(fields)) if any(o[index] != mine[index] for o in everyone)
     ]
-    if differ:
-        table = {
-            rank: {f: other[_AGREED_FIELDS.index(f)].item() for f in differ}
-            for rank, other in enumerate(everyone)
-        }
-        raise ValueError(
-            f"{_FN}: the ranks disagree on {', '.join(differ)} (by group rank: {table}); every "
-            f"rank must pass shards of one shape and the same options"
-        )
+    if not differ:
+        return
+    names = list(fields)
+    decode = {
+        "dtype": lambda code: dtypes[code] if code >= 0 else "other",
+        "strategy": lambda code: STRATEGIES[code],
+        "load_balance": lambda code: _LOAD_BALANCE_CODES[code],
+    }
+
+    def shown(index, value):
+        name = names[index]
+        return value if name == "scale" else decode.get(name, int)(int(value))
+
+    table = {
+        rank: {names[i]: shown(i, other[i].item()) for i in differ}
+        for rank, other in enumerate(everyone)
+    }
+    raise ValueError(
+        f"{_FN}: the ranks disagree on {', '.join(names[i] for i in differ)} (by group rank: "
+        f"{table}); every rank must pass shards of one shape and the same options"
+    )
 
 
 def context_parallel_attention(
