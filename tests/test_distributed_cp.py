@@ -6,6 +6,11 @@ whole sequence, within the tolerance rule of conftest.py.
 """
 
 import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +21,12 @@ from mha_ext.distributed import context_parallel_attention, gather_sequence, sha
 from mha_ext.distributed.context_parallel import global_band, plan_ring_step
 from mha_ext.distributed.sequence import chunk_count, shard_chunks
 from mha_ext.reference import attention_reference
+from mha_ext.train import train
 
 from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule
+
+# Spawned gloo ranks on CPU tensors; the NCCL path shares the code.
+pytestmark = pytest.mark.cpu_only
 
 
 def _case(strategy, heads, kv_heads, q_local, k_local, dtype=torch.float32, **options):
@@ -304,3 +313,26 @@ def test_causal_zigzag_skips_masked_blocks():
                 area = (call.q_stop - call.q_start) * (call.k_stop - call.k_start)
                 assert area == (4 if step == 0 else 2) * chunk * chunk
                 assert (call.window_left, call.window_right) == ((-1, 0) if step == 0 else (-1, -1))
+
+
+# The training example's losses on 2 ranks against one process: the sums run in another
+# order (per shard, then across ranks), a few 1e-7 apart at a loss of ~3.5, and the
+# output prints 6 decimals.
+TRAIN_ARGS = dict(steps=3, batch=2, context=32)
+LOSS_TOLERANCE = 1e-5
+
+
+def test_training_example_matches_one_process():
+    expected = train(**TRAIN_ARGS, log=False)
+    # torchrun (torch.distributed.run) with the command line of the README.
+    repository = str(Path(__file__).resolve().parents[1])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([repository, os.environ.get("PYTHONPATH", "")])
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "mha_ext.train", "--context-parallel", "ring"]
+    command += [f"--{name}={value}" for name, value in TRAIN_ARGS.items()]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    printed = [float(loss) for loss in re.findall(r"step +\d+  loss ([0-9.]+)", result.stdout)]
+    assert printed == pytest.approx(expected, rel=0, abs=LOSS_TOLERANCE), result.stdout

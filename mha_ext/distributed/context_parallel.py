@@ -14,7 +14,7 @@ Two strategies, both on torch.distributed alone (gloo on CPU, NCCL on CUDA):
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -580,3 +580,60 @@ def context_parallel_attention(
     deterministic = torch.are_deterministic_algorithms_enabled()
     out, lse = _RingAttention.apply(q, k, v, ring, plans, scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+def context_parallel_attention_function(
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    strategy: str = "ring",
+    load_balance: Optional[str] = "zigzag",
+) -> Callable[..., Union[Tensor, Tuple[Tensor, Tensor]]]:
+    """A function with mha_ext.attention's signature that runs context_parallel_attention,
+    for MultiHeadAttention.attention_function: a model whose ranks each hold their shard of
+    the sequence (shard_sequence, with this load_balance) then attends over the whole of it.
+
+    The arguments context parallelism lacks (attn_mask, softcap, alibi_slopes, sinks,
+    dropout_p) raise a ValueError naming them when set.
+    """
+
+    def attend(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: Optional[str] = None,
+        scale: Optional[float] = None,
+        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+        attn_mask: Optional[Tensor] = None,
+        dropout_p: float = 0.0,
+        return_lse: bool = False,
+        softcap: float = 0.0,
+        alibi_slopes: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        unsupported = {
+            "attn_mask": attn_mask is not None,
+            "softcap": softcap != 0.0,
+            "alibi_slopes": alibi_slopes is not None,
+            "sinks": sinks is not None,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                f"{_FN}: {', '.join(name for name, on in unsupported.items() if on)} not "
+                f"supported in context parallelism"
+            )
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            group=group,
+            strategy=strategy,
+            causal=causal,
+            scale=scale,
+            window=window,
+            load_balance=load_balance,
+            return_lse=return_lse,
+            dropout_p=dropout_p,
+        )
+
+    return attend
