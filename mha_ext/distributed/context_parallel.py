@@ -155,7 +155,6 @@ class _Ring:
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int):
         self.group = group
-        self.rank = rank
         self.world_size = world_size
         self.next = (rank + 1) % world_size
         self.previous = (rank - 1) % world_size
@@ -463,11 +462,13 @@ def _check_inputs(q, k, v, strategy, load_balance, dropout_p, world_size) -> Non
     for name in ("q", "k"):
         seq_local = tensors[name].shape[2]
         if seq_local == 0 or seq_local % per_shard != 0:
-            raise ValueError(
-                f"{_FN}: {name}'s seq_local {seq_local} must be a positive multiple of "
-                f"{per_shard} (load_balance={load_balance!r}: each shard holds {per_shard} "
-                f"equal chunks of the 2W)"
+            need = (
+                "even and positive (load_balance='zigzag': each shard holds 2 of the 2W "
+                "equal chunks)"
+                if per_shard == 2
+                else "positive"
             )
+            raise ValueError(f"{_FN}: {name}'s seq_local {seq_local} must be {need}")
     if strategy == "ulysses" and q.shape[1] % world_size != 0:
         raise ValueError(
             f"{_FN}: q has {q.shape[1]} heads, which the world size {world_size} does not "
