@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed_harness import run_ranks
 
@@ -75,6 +76,10 @@ CASES_4 = [
     _case("ulysses", 4, 2, 8, 8, causal="top_left", return_lse=True),  # 2 kv heads, 4 ranks
     _case("ulysses", 8, 8, 3, 3, torch.bfloat16, window=(4, 4), load_balance=None),
 ]
+SUBGROUP_CASES = [
+    _case("ring", 4, 2, 8, 8, causal="top_left", return_lse=True),
+    _case("ulysses", 4, 2, 6, 6, causal="top_left", window=(3, 0)),
+]
 
 
 def _inputs(case, world_size):
@@ -108,7 +113,7 @@ def _reference(q, k, v, grad_out, grad_lse, dtype, options, with_lse):
     return out.detach(), lse.detach(), [leaf.grad for leaf in leaves]
 
 
-def _check_case(case, world_size):
+def _check_case(case, world_size, group=None):
     dtype, with_lse = case["dtype"], case.get("return_lse", False)
     load_balance = case.get("load_balance", "zigzag")
     options = {name: case[name] for name in ("causal", "window", "scale") if name in case}
@@ -117,11 +122,12 @@ def _check_case(case, world_size):
     plain = _reference(q, k, v, grad_out, grad_lse, dtype, options, with_lse)
 
     def shard(x):
-        return shard_sequence(x, 2, load_balance=load_balance)
+        return shard_sequence(x, 2, group, load_balance)
 
     leaves = [shard(t.to(dtype)).detach().requires_grad_() for t in (q, k, v)]
     result = context_parallel_attention(
         *leaves,
+        group=group,
         strategy=case["strategy"],
         load_balance=load_balance,
         return_lse=with_lse,
@@ -144,13 +150,19 @@ def _check_case(case, world_size):
         assert_within_rule(
             leaf.grad, shard(ref_grad), shard(plain_grad), GRAD_FACTOR, f"grad_{name} of {what}"
         )
-    whole = gather_sequence(out.detach(), 2, load_balance=load_balance)
+    whole = gather_sequence(out.detach(), 2, group, load_balance)
     assert torch.equal(shard(whole), out.detach()), f"gather_sequence of {what}"
 
 
 def _check_cases(rank, world_size, cases):
     for case in cases:
         _check_case(case, world_size)
+    if world_size == 4:
+        # Groups of ranks {0, 2} and {1, 3}, as one dimension of a 2 x 2 device mesh: group
+        # ranks and neighbours differ from the global ones.
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        for case in SUBGROUP_CASES:
+            _check_case(case, 2, groups[rank % 2])
     x = torch.arange(24 * world_size**2).reshape(4 * world_size, 6 * world_size)
     for load_balance, dim in itertools.product(("zigzag", None), (0, 1)):
         part = shard_sequence(x, dim, load_balance=load_balance)
