@@ -2,7 +2,7 @@
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -125,6 +125,9 @@ class MultiHeadAttention(nn.Module):
         # fp32 whatever the projections' dtype: the kernels read sinks in fp32 (fp64 for fp64).
         sink_logits = torch.zeros(num_heads, device=device, dtype=torch.float32)
         self.register_parameter("sinks", nn.Parameter(sink_logits) if sinks else None)
+        # What forward attends with: None for mha_ext.attention, or a function of its
+        # signature, e.g. mha_ext.distributed.context_parallel_attention_function's.
+        self.attention_function: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts floating buffers too; the slopes are a function of
@@ -207,7 +210,10 @@ class MultiHeadAttention(nn.Module):
         value = self._split_heads(self.w_v(v), self.num_kv_heads)  # (B, Hkv, Sk, d_k)
         attn_mask = None if mask is None else mask != 0
         causal = "bottom_right" if is_causal else None
-        out, lse = functional.attention(
+        attend = (
+            functional.attention if self.attention_function is None else self.attention_function
+        )
+        out, lse = attend(
             query,
             key,
             value,
