@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from mha_ext.reference import attention_reference
+from mha_ext.reference import attention_reference, attention_varlen_reference
 
 from conftest import GRAD_FACTOR, ROUNDING_UNITS, max_error, seeded_generator
 
@@ -741,5 +741,272 @@ def merge_cases(draw):
         layouts=(draw(st.sampled_from(MERGE_LAYOUTS)), draw(st.sampled_from(MERGE_LAYOUTS))),
         empty_a=tuple(sorted(draw(row_ids))),
         empty_b=tuple(sorted(draw(row_ids))),
+        seed=draw(seeds),
+    )
+
+
+# ---------------------------------------------------------------- packed (varlen) attention
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    """One mha_ext.attention_varlen call: sequence b has q_lens[b] queries and k_lens[b] keys
+    (0 allowed), of which it uses the first used_k[b] when used_k is given (seqused_k).
+    max_slack is added to both max_seqlen bounds (the kernels plan with them; larger than
+    the longest sequence is allowed). padded_q: q rows of a wider buffer (strided rows)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+    used_k: Optional[Tuple[int, ...]] = None
+    dtype: torch.dtype = torch.float32
+    causal: Optional[str] = None
+    window: Optional[tuple] = None
+    scale: Optional[float] = None
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # None, "heads" (H,) or "batch" (batch, H)
+    sinks: bool = False
+    max_slack: int = 0
+    padded_q: bool = False
+    deterministic: Optional[bool] = None
+    seed: int = 0
+
+    def build(self) -> dict:
+        """q, k, v (autograd leaves but for a padded q's view), cu_seqlens_q / _k, seqused_k,
+        alibi_slopes, sinks, grad_out and the leaves."""
+        generator = seeded(self.seed)
+        total_q, total_k = sum(self.q_lens), sum(self.k_lens)
+        width = self.head_dim + (2 if self.padded_q else 0)
+        q_leaf = normal(generator, (total_q, self.heads, width), self.dtype).requires_grad_()
+        k = normal(generator, (total_k, self.kv_heads, self.head_dim), self.dtype)
+        v = normal(generator, (total_k, self.kv_heads, self.head_dim_v), self.dtype)
+        built = {
+            "q": q_leaf[..., : self.head_dim],
+            "k": k.requires_grad_(),
+            "v": v.requires_grad_(),
+            "cu_seqlens_q": offsets(self.q_lens),
+            "cu_seqlens_k": offsets(self.k_lens),
+            "seqused_k": None,
+            "alibi_slopes": None,
+            "sinks": None,
+        }
+        if self.used_k is not None:
+            built["seqused_k"] = torch.tensor(self.used_k, dtype=torch.int32)
+        if self.alibi is not None:
+            shape = (self.heads,) if self.alibi == "heads" else (len(self.q_lens), self.heads)
+            built["alibi_slopes"] = uniform(generator, shape, 0.0, 1.0)
+        if self.sinks:
+            built["sinks"] = normal(generator, (self.heads,), torch.float32).requires_grad_()
+        built["grad_out"] = normal(generator, (total_q, self.heads, self.head_dim_v), self.dtype)
+        built["leaves"] = [q_leaf, built["k"], built["v"]]
+        return built
+
+    def max_seqlens(self) -> Tuple[int, int]:
+        return (
+            max(self.q_lens, default=0) + self.max_slack,
+            max(self.k_lens, default=0) + self.max_slack,
+        )
+
+    def options(self, built: dict) -> dict:
+        return {
+            "causal": self.causal,
+            "scale": self.scale,
+            "window": self.window,
+            "softcap": self.softcap,
+            "alibi_slopes": built["alibi_slopes"],
+            "sinks": built["sinks"],
+            "return_lse": True,
+            "seqused_k": built["seqused_k"],
+            "deterministic": self.deterministic,
+        }
+
+    def call_text(self) -> str:
+        options = self.options({"alibi_slopes": None, "sinks": None, "seqused_k": None})
+        present = {"alibi_slopes": self.alibi, "sinks": self.sinks, "seqused_k": self.used_k}
+        for key, given in present.items():
+            if given is not None and given is not False:
+                options[key] = Arg(f"t['{key}']")
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+        args = [f"t['{n}']" for n in names] + [repr(n) for n in self.max_seqlens()]
+        call = call_text("mha_ext.attention_varlen", *args, **options)
+        return f"t = {self!r}.build()\nout, lse = {call}"
+
+    def reference(self, built: dict, dtype: torch.dtype):
+        """(out, lse, grads of the q, k, v leaves and sinks) of attention_varlen_reference."""
+        leaves = leaves_like(built["leaves"], dtype)
+        q = leaves[0][..., : self.head_dim]
+        slopes = built["alibi_slopes"]
+        slopes = None if slopes is None else slopes.to(accumulate_dtype(dtype))
+        (sinks,) = leaves_like([built["sinks"]], accumulate_dtype(dtype))
+        if not self.q_lens:  # no sequence: nothing to compute
+            out = q.new_zeros(0, self.heads, self.head_dim_v)
+            lse = q.new_zeros(self.heads, 0, dtype=accumulate_dtype(dtype))
+            grads = [torch.zeros_like(x) for x in leaves + ([] if sinks is None else [sinks])]
+            return out, lse, grads
+        out, lse = attention_varlen_reference(
+            q,
+            leaves[1],
+            leaves[2],
+            built["cu_seqlens_q"],
+            built["cu_seqlens_k"],
+            causal=self.causal,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
+            alibi_slopes=slopes,
+            sinks=sinks,
+            seqused_k=built["seqused_k"],
+        )
+        out.backward(built["grad_out"].to(dtype))
+        grads = [leaf.grad for leaf in leaves] + ([sinks.grad] if sinks is not None else [])
+        return out.detach(), lse.detach(), grads
+
+
+def offsets(lengths) -> torch.Tensor:
+    """cu_seqlens (batch + 1,) int32 of the lengths."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu
+
+
+VARLEN_LENGTHS = (0, 0, 1, 2, 3, 5, 7, 13, 16, 17, 31, 33, 64, 97)
+
+
+@st.composite
+def varlen_cases(draw):
+    heads, kv_heads = draw(head_counts())
+    head_dim = draw(head_dims)
+    head_dim_v = draw(st.one_of(st.just(head_dim), head_dims))
+    batch = draw(st.integers(0, 5))
+    q_lens = [draw(st.sampled_from(VARLEN_LENGTHS)) for _ in range(batch)]
+    k_lens = [draw(st.sampled_from(VARLEN_LENGTHS)) for _ in range(batch)]
+    # The budgets hold for the packed call as a whole: halve the longest until it fits.
+    width = max(head_dim, head_dim_v)
+    while (
+        heads * sum(a * b for a, b in zip(q_lens, k_lens)) > SCORE_BUDGET
+        or heads * max(sum(q_lens), sum(k_lens)) * width > ELEMENT_BUDGET
+    ):
+        lens = q_lens if sum(q_lens) >= sum(k_lens) else k_lens
+        longest = max(range(batch), key=lambda b: lens[b])
+        lens[longest] //= 2
+    used_k = None
+    if draw(st.booleans()):
+        used_k = tuple(draw(st.integers(0, n)) for n in k_lens)
+    return VarlenCase(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        q_lens=tuple(q_lens),
+        k_lens=tuple(k_lens),
+        used_k=used_k,
+        dtype=draw(dtypes),
+        causal=draw(st.sampled_from(CAUSAL)),
+        window=draw(window_options()),
+        scale=draw(st.sampled_from(SCALES)),
+        softcap=draw(st.sampled_from(SOFTCAPS)),
+        alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
+        sinks=draw(st.booleans()),
+        max_slack=draw(st.sampled_from((0, 0, 1, 7))),
+        padded_q=draw(st.booleans()),
+        deterministic=draw(st.sampled_from((None, True))),
+        seed=draw(seeds),
+    )
+
+
+# ---------------------------------------------------------------- torch's SDPA signature
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaCase:
+    """One scaled_dot_product_attention call, made to mha_ext's drop-in and to torch's:
+    q (*q_lead, L, E), k (*k_lead, S, E), v (*v_lead, S, Ev), leading dims that broadcast (or,
+    drawn on purpose, do not), an optional mask of mask_shape (mask_dtype: "bool", "query"
+    for q's dtype, or a dtype name), is_causal, scale, enable_gqa; dropout off."""
+
+    q_lead: Tuple[int, ...]
+    k_lead: Tuple[int, ...]
+    v_lead: Tuple[int, ...]
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype = torch.float32
+    mask_shape: Optional[Tuple[int, ...]] = None
+    mask_dtype: str = "bool"
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
+    seed: int = 0
+
+    def build(self):
+        """(args, kwargs) of the call: q, k, v as autograd leaves."""
+        generator = seeded(self.seed)
+        q = normal(generator, (*self.q_lead, self.seq_q, self.head_dim), self.dtype)
+        k = normal(generator, (*self.k_lead, self.seq_k, self.head_dim), self.dtype)
+        v = normal(generator, (*self.v_lead, self.seq_k, self.head_dim_v), self.dtype)
+        kwargs = {"is_causal": self.is_causal, "scale": self.scale, "enable_gqa": self.enable_gqa}
+        if self.mask_shape is not None:
+            keep = torch.rand(self.mask_shape, generator=generator) < 0.8
+            if self.mask_dtype == "bool":
+                kwargs["attn_mask"] = keep
+            else:
+                dtype = (
+                    self.dtype if self.mask_dtype == "query" else getattr(torch, self.mask_dtype)
+                )
+                bias = normal(generator, self.mask_shape, dtype)
+                kwargs["attn_mask"] = bias.masked_fill(~keep, float("-inf"))
+        return [x.requires_grad_() for x in (q, k, v)], kwargs
+
+    def call_text(self) -> str:
+        call = call_text("mha_ext.scaled_dot_product_attention", "*args", "**kwargs")
+        return f"args, kwargs = {self!r}.build()\nout = {call}"
+
+
+@st.composite
+def sdpa_cases(draw):
+    """Mostly valid calls; now and then leading dims, heads or a mask that torch refuses."""
+    lead = tuple(draw(st.sampled_from((0, 1, 2, 3))) for _ in range(draw(st.integers(0, 2))))
+    head_pairs = st.sampled_from(((1, 1), (2, 1), (4, 2), (6, 3), (6, 2), (3, 2)))
+    heads, kv_heads = draw(head_pairs)
+    enable_gqa = bool(lead) and draw(st.booleans())
+
+    def lead_of(last):
+        dims = list(lead[: len(lead) - 1]) + ([last] if lead else [])
+        dims = dims[draw(st.integers(0, len(dims))) :] if draw(st.booleans()) else dims
+        return tuple(1 if draw(st.integers(0, 4)) == 0 else d for d in dims)
+
+    q_lead = lead_of(heads)
+    k_lead = lead_of(kv_heads if enable_gqa else heads)
+    v_lead = k_lead if draw(st.integers(0, 4)) else lead_of(kv_heads if enable_gqa else heads)
+    head_dim = draw(st.sampled_from((1, 2, 8, 17, 64, 100)))
+    head_dim_v = draw(st.sampled_from((head_dim, head_dim, 3, 33)))
+    rows = max(math.prod(q_lead), math.prod(k_lead), 1)
+    seq_q, seq_k = shrink_to_budget(draw(lengths), draw(lengths), rows, max(head_dim, head_dim_v))
+    mask_shape, mask_dtype = None, "bool"
+    is_causal = draw(st.integers(0, 3)) == 0
+    if draw(st.booleans()):
+        weights = (*q_lead, seq_q, seq_k)
+        rank = draw(st.integers(0, len(weights) + (1 if draw(st.integers(0, 9)) == 0 else 0)))
+        full = ((2,) + weights)[len(weights) + 1 - rank :]
+        mask_shape = tuple(1 if draw(st.integers(0, 2)) == 0 else d for d in full)
+        mask_dtype = draw(st.sampled_from(("bool", "bool", "query", "float32", "float64")))
+    return SdpaCase(
+        q_lead=q_lead,
+        k_lead=k_lead,
+        v_lead=v_lead,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=draw(st.sampled_from((torch.float32, torch.float64, torch.bfloat16))),
+        mask_shape=mask_shape,
+        mask_dtype=mask_dtype,
+        is_causal=is_causal,
+        scale=draw(st.sampled_from((None, None, 0.0, 0.3, 2.0))),
+        enable_gqa=enable_gqa,
         seed=draw(seeds),
     )

@@ -1,0 +1,62 @@
+"""Property-based tests of the interfaces over the kernels: mha_ext's drop-in
+scaled_dot_product_attention against torch's (same result by the tolerance rule, same
+exception class where torch raises), flash_attn_interface's functions and
+MultiHeadAttention against float64 references."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import event, given, note
+
+import mha_ext
+
+from conftest import OUTPUT_FACTOR
+from fuzz_strategies import check_rule, fuzz_settings, same_grads, sdpa_cases
+
+
+def outcome(sdpa, args, kwargs, grad_seed):
+    """(out, grads of q, k, v) of sdpa, or (the exception it raised, None)."""
+    leaves = [x.detach().clone().requires_grad_() for x in args]
+    try:
+        out = sdpa(*leaves, **kwargs)
+    except Exception as error:  # the class is what is compared
+        return error, None
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
+    grads = torch.autograd.grad(out, leaves, weights.to(out.dtype), allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+    return out.detach(), grads
+
+
+@fuzz_settings(200)
+@given(case=sdpa_cases())
+def test_sdpa_matches_torch_or_raises_as_torch_does(case):
+    note(case.call_text())
+    args, kwargs = case.build()
+    expected, _ = outcome(F.scaled_dot_product_attention, args, kwargs, case.seed)
+    actual, grads = outcome(mha_ext.scaled_dot_product_attention, args, kwargs, case.seed)
+    if isinstance(expected, Exception):
+        note(f"torch raised {expected!r}")
+        event(f"torch raised {type(expected).__name__}")
+        assert isinstance(actual, type(expected)), f"torch raised {expected!r}, got {actual!r}"
+        return
+    assert not isinstance(actual, Exception), f"torch returned, mha_ext raised {actual!r}"
+    event("torch returned")
+    mask = kwargs.get("attn_mask")
+    wide = {**kwargs}
+    if mask is not None and mask.dtype != torch.bool:
+        wide["attn_mask"] = mask.double()
+    truth, truth_grads = outcome(
+        F.scaled_dot_product_attention, [x.double() for x in args], wide, case.seed
+    )
+    plain, plain_grads = outcome(F.scaled_dot_product_attention, args, kwargs, case.seed)
+    assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype)
+    # torch gives NaN rows where a float mask hides every key; mha_ext gives 0, as torch's
+    # bool masks do: compare the rows torch defines.
+    defined = ~truth.isnan().any(-1, keepdim=True).expand_as(truth)
+    scale = abs(case.scale if case.scale is not None else case.head_dim**-0.5)
+    largest = max((x.detach().abs().max().item() for x in args if x.numel()), default=0.0)
+    scores = scale * largest**2 * case.head_dim**0.5
+    check_rule(
+        actual[defined], truth[defined], plain[defined], OUTPUT_FACTOR, "out", score_scale=scores
+    )
+    if defined.all():
+        same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", case.head_dim)
