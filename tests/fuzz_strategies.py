@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+import mha_ext.flash_attn_interface as flash_attn
 from mha_ext.reference import attention_reference, attention_varlen_reference
 
 from conftest import GRAD_FACTOR, ROUNDING_UNITS, max_error, seeded_generator
@@ -1008,5 +1009,141 @@ def sdpa_cases(draw):
         is_causal=is_causal,
         scale=draw(st.sampled_from((None, None, 0.0, 0.3, 2.0))),
         enable_gqa=enable_gqa,
+        seed=draw(seeds),
+    )
+
+
+# ---------------------------------------------------------------- flash_attn_interface
+
+FLASH_FORMS = ("func", "kvpacked", "qkvpacked", "varlen", "varlen_kvpacked", "varlen_qkvpacked")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashCase:
+    """One call of a flash_attn_interface function (form: FLASH_FORMS): dense forms take
+    q (batch, seq_q, H, D), k / v (batch, seq_k, Hkv, D(v)); varlen forms pack sequences of
+    q_lens / k_lens. The packed forms stack q / k / v (or k / v) along a new dim of one
+    tensor, the autograd leaf. window: FlashAttention's (left, right), -1 unbounded."""
+
+    form: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # None, "heads" (H,) or "batch" (batch, H)
+    seed: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.form.startswith("varlen")
+
+    def build(self) -> dict:
+        """leaves (the tensors the call takes, before unpacking), alibi_slopes, grad_out."""
+        generator = seeded(self.seed)
+        batch = len(self.q_lens)
+        if self.varlen:
+            q_rows, k_rows = (sum(self.q_lens),), (sum(self.k_lens),)
+        else:
+            q_rows, k_rows = (batch, self.q_lens[0]), (batch, self.k_lens[0])
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        if self.form.endswith("qkvpacked"):
+            shapes = [(*q_rows, 3, heads, dim)]
+        elif self.form.endswith("kvpacked"):
+            shapes = [(*q_rows, heads, dim), (*k_rows, 2, kv_heads, dim)]
+        else:
+            shapes = [(*q_rows, heads, dim), (*k_rows, kv_heads, dim)]
+            shapes.append((*k_rows, kv_heads, self.head_dim_v))
+        built = {"leaves": [normal(generator, s, self.dtype).requires_grad_() for s in shapes]}
+        built["alibi_slopes"] = None
+        if self.alibi is not None:
+            shape = (heads,) if self.alibi == "heads" else (batch, heads)
+            built["alibi_slopes"] = uniform(generator, shape, 0.0, 1.0)
+        out_rows = q_rows
+        built["grad_out"] = normal(generator, (*out_rows, heads, self.head_dim_v), self.dtype)
+        return built
+
+    def unpacked(self, leaves):
+        """(q, k, v) views of the leaves."""
+        if self.form.endswith("qkvpacked"):
+            qkv = leaves[0]
+            return qkv.select(-3, 0), qkv.select(-3, 1), qkv.select(-3, 2)
+        if self.form.endswith("kvpacked"):
+            return leaves[0], leaves[1].select(-3, 0), leaves[1].select(-3, 1)
+        return tuple(leaves)
+
+    def lengths(self):
+        return offsets(self.q_lens), offsets(self.k_lens)
+
+    def call(self, leaves, alibi_slopes):
+        """(out, lse) of the case's function."""
+        options = {
+            "causal": self.causal,
+            "window_size": self.window,
+            "softcap": self.softcap,
+            "alibi_slopes": alibi_slopes,
+            "return_attn_probs": True,
+        }
+        name = "flash_attn_func" if self.form == "func" else f"flash_attn_{self.form}_func"
+        function = getattr(flash_attn, name)
+        if self.varlen:
+            cu_q, cu_k = self.lengths()
+            bounds = (max(self.q_lens, default=0), max(self.k_lens, default=0))
+            if self.form == "varlen_qkvpacked":
+                out, lse, _ = function(*leaves, cu_q, bounds[0], **options)
+            else:
+                out, lse, _ = function(*leaves, cu_q, cu_k, *bounds, **options)
+        else:
+            out, lse, _ = function(*leaves, **options)
+        return out, lse
+
+    def call_text(self) -> str:
+        call = "out, lse = case.call(t['leaves'], t['alibi_slopes'])"
+        return f"case = {self!r}\nt = case.build()\n{call}"
+
+
+@st.composite
+def flash_cases(draw):
+    form = draw(st.sampled_from(FLASH_FORMS))
+    heads, kv_heads = draw(head_counts())
+    head_dim = draw(head_dims)
+    head_dim_v = head_dim
+    if form.endswith("qkvpacked"):
+        kv_heads = heads
+    elif not form.endswith("kvpacked"):
+        head_dim_v = draw(st.one_of(st.just(head_dim), head_dims))
+    batch = draw(st.integers(1 if not form.startswith("varlen") else 0, 3))
+    if form.startswith("varlen"):
+        q_lens = [draw(st.sampled_from(VARLEN_LENGTHS)) for _ in range(batch)]
+        k_lens = [draw(st.sampled_from(VARLEN_LENGTHS)) for _ in range(batch)]
+    else:
+        q_lens, k_lens = [draw(lengths)] * batch, [draw(lengths)] * batch
+    if form.endswith("qkvpacked"):
+        k_lens = list(q_lens)
+    width = max(head_dim, head_dim_v)
+    while (
+        heads * sum(a * b for a, b in zip(q_lens, k_lens)) > SCORE_BUDGET
+        or heads * max(sum(q_lens), sum(k_lens)) * width > ELEMENT_BUDGET
+    ):
+        q_lens, k_lens = [n // 2 for n in q_lens], [n // 2 for n in k_lens]
+    sides = st.sampled_from((-1, -1, 0, 1, 3, 17))
+    return FlashCase(
+        form=form,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        q_lens=tuple(q_lens),
+        k_lens=tuple(k_lens),
+        dtype=draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16))),
+        causal=draw(st.booleans()),
+        window=(draw(sides), draw(sides)),
+        softcap=draw(st.sampled_from(SOFTCAPS)),
+        alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
         seed=draw(seeds),
     )

@@ -6,11 +6,19 @@ MultiHeadAttention against float64 references."""
 import torch
 import torch.nn.functional as F
 from hypothesis import event, given, note
+from test_flash_attn_interface import fa_reference, varlen_reference
 
 import mha_ext
 
 from conftest import OUTPUT_FACTOR
-from fuzz_strategies import check_rule, fuzz_settings, same_grads, sdpa_cases
+from fuzz_strategies import (
+    accumulate_dtype,
+    check_rule,
+    flash_cases,
+    fuzz_settings,
+    same_grads,
+    sdpa_cases,
+)
 
 
 def outcome(sdpa, args, kwargs, grad_seed):
@@ -60,3 +68,42 @@ def test_sdpa_matches_torch_or_raises_as_torch_does(case):
     )
     if defined.all():
         same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", case.head_dim)
+
+
+@fuzz_settings(150)
+@given(case=flash_cases())
+def test_flash_attn_functions_match_reference(case):
+    note(case.call_text())
+    t = case.build()
+    out, lse = case.call(t["leaves"], t["alibi_slopes"])
+    out.backward(t["grad_out"])
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in t["leaves"]]
+
+    def reference(dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in t["leaves"]]
+        q, k, v = case.unpacked(leaves)
+        slopes = t["alibi_slopes"]
+        # As FlashAttention 2 does, a side reaching the (longest) key length is unbounded.
+        seqlen_k = max(case.k_lens, default=0)
+        window = tuple(-1 if side >= seqlen_k else side for side in case.window)
+        features = {
+            "causal": case.causal,
+            "window": window,
+            "softcap": case.softcap,
+            "alibi": None if slopes is None else slopes.to(accumulate_dtype(dtype)),
+        }
+        if case.varlen:
+            if not case.q_lens:
+                empty = q.new_zeros(0, case.heads, case.head_dim_v)
+                return empty, q.new_zeros(case.heads, 0), [torch.zeros_like(x) for x in leaves]
+            cu_q, cu_k = (c.tolist() for c in case.lengths())
+            ref_out, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, **features)
+        else:
+            ref_out, ref_lse = fa_reference(q, k, v, **features)
+        ref_out.backward(t["grad_out"].to(dtype))
+        return ref_out.detach(), ref_lse.detach(), [x.grad for x in leaves]
+
+    truth, plain = reference(torch.float64), reference(case.dtype)
+    check_rule(out.detach(), truth[0], plain[0], OUTPUT_FACTOR, "out")
+    check_rule(lse.detach(), truth[1], plain[1].float(), OUTPUT_FACTOR, "lse")
+    same_grads(grads, truth[2], plain[2], "grad (leaves)", max(case.head_dim, case.head_dim_v))
