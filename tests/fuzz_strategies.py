@@ -1147,3 +1147,100 @@ def flash_cases(draw):
         alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
         seed=draw(seeds),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class KvcacheCase:
+    """One flash_attn_with_kvcache call: sequence b holds cache_seqlens[b] tokens of a cache
+    of `capacity` rows (paged: blocks of block_size, a shuffled table; else (batch, capacity)
+    rows), appends `new` tokens in place and attends from seqlen_q queries."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    cache_seqlens: Tuple[int, ...]
+    capacity: int
+    new: int
+    seqlen_q: int
+    block_size: Optional[int] = None  # None: a contiguous cache
+    dtype: torch.dtype = torch.float32
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None
+    seed: int = 0
+
+    def build(self) -> dict:
+        generator = seeded(self.seed)
+        batch, dim = len(self.cache_seqlens), self.head_dim
+        args = {"q": normal(generator, (batch, self.seqlen_q, self.heads, dim), self.dtype)}
+        if self.block_size is None:
+            shape = (batch, self.capacity, self.kv_heads, dim)
+        else:
+            per_sequence = self.capacity // self.block_size
+            num_blocks = batch * per_sequence + 2  # two blocks no sequence owns
+            order = torch.randperm(num_blocks, generator=generator)[: batch * per_sequence]
+            args["block_table"] = order.view(batch, per_sequence).to(torch.int32)
+            shape = (num_blocks, self.block_size, self.kv_heads, dim)
+        args["k_cache"] = normal(generator, shape, self.dtype)
+        args["v_cache"] = normal(generator, shape, self.dtype)
+        if self.new:
+            args["k"] = normal(generator, (batch, self.new, self.kv_heads, dim), self.dtype)
+            args["v"] = normal(generator, (batch, self.new, self.kv_heads, dim), self.dtype)
+        args["cache_seqlens"] = torch.tensor(self.cache_seqlens, dtype=torch.int32)
+        if self.alibi is not None:
+            shape = (self.heads,) if self.alibi == "heads" else (batch, self.heads)
+            args["alibi_slopes"] = uniform(generator, shape, 0.0, 1.0)
+        args.update(
+            causal=self.causal,
+            window_size=self.window,
+            softcap=self.softcap,
+            return_softmax_lse=True,
+        )
+        return args
+
+    def cache_rows(self, args: dict):
+        """(index tuple of each sequence's capacity rows in the cache: (batch, capacity)
+        block and offset, or sequence and position)."""
+        batch = len(self.cache_seqlens)
+        positions = torch.arange(self.capacity)
+        if self.block_size is None:
+            return torch.arange(batch)[:, None].expand(batch, self.capacity), positions.expand(
+                batch, self.capacity
+            )
+        table = args["block_table"].long()
+        offsets_in_block = (positions % self.block_size).expand(batch, self.capacity)
+        return table[:, positions // self.block_size], offsets_in_block
+
+    def call_text(self) -> str:
+        return f"args = {self!r}.build()\nout, lse = flash_attn.flash_attn_with_kvcache(**args)"
+
+
+@st.composite
+def kvcache_cases(draw):
+    heads, kv_heads = draw(head_counts())
+    head_dim = draw(st.sampled_from((1, 8, 17, 64, 128)))
+    block_size = draw(st.sampled_from((None, None, 1, 2, 16, 64)))
+    unit = block_size or 1
+    capacity = unit * draw(st.integers(1, max(1, 96 // unit)))
+    batch = draw(st.integers(1, 3))
+    new = draw(st.integers(0, min(capacity, 5)))
+    seqlen_q = draw(st.integers(1, 5))
+    cache_seqlens = tuple(draw(st.integers(0, capacity - new)) for _ in range(batch))
+    sides = st.sampled_from((-1, -1, 0, 1, 4))
+    return KvcacheCase(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        cache_seqlens=cache_seqlens,
+        capacity=capacity,
+        new=new,
+        seqlen_q=seqlen_q,
+        block_size=block_size,
+        dtype=draw(st.sampled_from((torch.float32, torch.bfloat16))),
+        causal=draw(st.booleans()),
+        window=(draw(sides), draw(sides)),
+        softcap=draw(st.sampled_from(SOFTCAPS)),
+        alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
+        seed=draw(seeds),
+    )

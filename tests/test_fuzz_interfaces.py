@@ -9,6 +9,7 @@ from hypothesis import event, given, note
 from test_flash_attn_interface import fa_reference, varlen_reference
 
 import mha_ext
+import mha_ext.flash_attn_interface as flash_attn
 
 from conftest import OUTPUT_FACTOR
 from fuzz_strategies import (
@@ -16,6 +17,7 @@ from fuzz_strategies import (
     check_rule,
     flash_cases,
     fuzz_settings,
+    kvcache_cases,
     same_grads,
     sdpa_cases,
 )
@@ -107,3 +109,52 @@ def test_flash_attn_functions_match_reference(case):
     check_rule(out.detach(), truth[0], plain[0], OUTPUT_FACTOR, "out")
     check_rule(lse.detach(), truth[1], plain[1].float(), OUTPUT_FACTOR, "lse")
     same_grads(grads, truth[2], plain[2], "grad (leaves)", max(case.head_dim, case.head_dim_v))
+
+
+def kvcache_expected(case, args, dtype):
+    """(out, lse) of the call in dtype from FlashAttention's semantics, over the caches with
+    the new tokens written (the caller's tensors are not touched)."""
+    rows = case.cache_rows(args)
+    k_cache, v_cache = (args[n].to(dtype).clone() for n in ("k_cache", "v_cache"))
+    lengths = args["cache_seqlens"].long()
+    if case.new:
+        positions = lengths[:, None] + torch.arange(case.new)  # (B, new)
+        batch = torch.arange(len(case.cache_seqlens))[:, None]
+        written = (rows[0][batch, positions], rows[1][batch, positions])
+        k_cache[written], v_cache[written] = args["k"].to(dtype), args["v"].to(dtype)
+    slopes = args.get("alibi_slopes")
+    window = tuple(-1 if side >= case.capacity else side for side in case.window)
+    return fa_reference(
+        args["q"].to(dtype),
+        k_cache[rows],
+        v_cache[rows],
+        causal=case.causal,
+        window=window,
+        softcap=case.softcap,
+        alibi=None if slopes is None else slopes.to(accumulate_dtype(dtype)),
+        key_end=lengths + case.new,
+    )
+
+
+@fuzz_settings(100)
+@given(case=kvcache_cases())
+def test_with_kvcache_appends_in_place_and_attends(case):
+    note(case.call_text())
+    args = case.build()
+    before_k, before_v = args["k_cache"].clone(), args["v_cache"].clone()
+    truth, plain = (
+        kvcache_expected(case, args, torch.float64),
+        kvcache_expected(case, args, case.dtype),
+    )
+    out, lse = flash_attn.flash_attn_with_kvcache(**args)
+    check_rule(out, truth[0], plain[0], OUTPUT_FACTOR, "out")
+    check_rule(lse, truth[1], plain[1].float(), OUTPUT_FACTOR, "lse")
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    if case.new:
+        rows = case.cache_rows(args)
+        positions = args["cache_seqlens"].long()[:, None] + torch.arange(case.new)
+        batch = torch.arange(len(case.cache_seqlens))[:, None]
+        written = (rows[0][batch, positions], rows[1][batch, positions])
+        expected_k[written], expected_v[written] = args["k"], args["v"]
+    assert torch.equal(args["k_cache"], expected_k), "k_cache: not exactly the appended rows"
+    assert torch.equal(args["v_cache"], expected_v), "v_cache: not exactly the appended rows"
