@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+import mha_ext
 import mha_ext.flash_attn_interface as flash_attn
 from mha_ext.reference import attention_reference, attention_varlen_reference
 
@@ -1242,5 +1243,95 @@ def kvcache_cases(draw):
         window=(draw(sides), draw(sides)),
         softcap=draw(st.sampled_from(SOFTCAPS)),
         alibi=draw(st.sampled_from((None, None, "heads", "batch"))),
+        seed=draw(seeds),
+    )
+
+
+# ---------------------------------------------------------------- MultiHeadAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCase:
+    """One MultiHeadAttention forward (eval, dropout off): q (batch, seq_q, d_model) and k, v
+    (batch, seq_k, d_model), with the module's score options, is_causal or a 0 / 1 mask of
+    mask_shape (broadcast to (batch, heads, seq_q, seq_k))."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    seq_q: int
+    seq_k: int
+    dtype: torch.dtype = torch.float32
+    bias: bool = False
+    window: Optional[tuple] = None
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+    is_causal: bool = False
+    mask_shape: Optional[Tuple[int, ...]] = None
+    seed: int = 0
+
+    def build(self) -> dict:
+        """The layer (in dtype, parameters drawn from the seed) and its inputs."""
+        torch.manual_seed(self.seed)
+        d_model = self.num_heads * self.head_dim
+        layer = mha_ext.MultiHeadAttention(
+            d_model,
+            self.num_heads,
+            dropout=0.0,
+            num_kv_heads=self.num_kv_heads,
+            bias=self.bias,
+            window=self.window,
+            softcap=self.softcap,
+            alibi=self.alibi,
+            sinks=self.sinks,
+        ).eval()
+        generator = seeded(self.seed)
+        if layer.sinks is not None:
+            with torch.no_grad():
+                layer.sinks.copy_(normal(generator, (self.num_heads,), torch.float32))
+        layer = layer.to(self.dtype)
+        built = {"layer": layer, "mask": None}
+        for name, seq in (("q", self.seq_q), ("k", self.seq_k), ("v", self.seq_k)):
+            built[name] = normal(generator, (self.batch, seq, d_model), self.dtype)
+        if self.mask_shape is not None:
+            built["mask"] = (torch.rand(self.mask_shape, generator=generator) < 0.8).int()
+        return built
+
+    def call_text(self) -> str:
+        call = "t['layer'](t['q'], t['k'], t['v'], t['mask'], is_causal=" + f"{self.is_causal})"
+        return f"t = {self!r}.build()\nout = {call}"
+
+
+@st.composite
+def module_cases(draw):
+    heads, kv_heads = draw(head_counts())
+    head_dim = draw(st.sampled_from((1, 2, 8, 16, 17, 64)))
+    batch = draw(st.integers(1, 3))
+    seq_q, seq_k = shrink_to_budget(
+        draw(lengths), draw(lengths), batch * heads, heads * head_dim * 4
+    )
+    is_causal = draw(st.booleans())
+    mask_shape = None
+    if not is_causal and draw(st.booleans()):
+        full = (batch, heads, seq_q, seq_k)
+        mask_shape = tuple(d if draw(st.booleans()) else 1 for d in full)
+    sides = st.sampled_from((None, 0, 1, 4))
+    return ModuleCase(
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        dtype=draw(st.sampled_from((torch.float32, torch.bfloat16))),
+        bias=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.tuples(sides, sides))),
+        softcap=draw(st.sampled_from(SOFTCAPS)),
+        alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        is_causal=is_causal,
+        mask_shape=mask_shape,
         seed=draw(seeds),
     )

@@ -3,6 +3,8 @@ scaled_dot_product_attention against torch's (same result by the tolerance rule,
 exception class where torch raises), flash_attn_interface's functions and
 MultiHeadAttention against float64 references."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from hypothesis import event, given, note
@@ -10,6 +12,7 @@ from test_flash_attn_interface import fa_reference, varlen_reference
 
 import mha_ext
 import mha_ext.flash_attn_interface as flash_attn
+from mha_ext.reference import attention_reference
 
 from conftest import OUTPUT_FACTOR
 from fuzz_strategies import (
@@ -18,6 +21,7 @@ from fuzz_strategies import (
     flash_cases,
     fuzz_settings,
     kvcache_cases,
+    module_cases,
     same_grads,
     sdpa_cases,
 )
@@ -158,3 +162,47 @@ def test_with_kvcache_appends_in_place_and_attends(case):
         expected_k[written], expected_v[written] = args["k"], args["v"]
     assert torch.equal(args["k_cache"], expected_k), "k_cache: not exactly the appended rows"
     assert torch.equal(args["v_cache"], expected_v), "v_cache: not exactly the appended rows"
+
+
+def module_reference(layer, q, k, v, mask, is_causal):
+    """layer's forward with explicit scores (attention_reference) in the layer's dtype."""
+    weights = dict(layer.named_parameters())
+    batch = q.shape[0]
+
+    def project(name, x, heads):  # (B, S, d_model) -> (B, heads, S, d_k)
+        y = torch.nn.functional.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
+        return y.view(batch, x.shape[1], heads, layer.d_k).transpose(1, 2)
+
+    query = project("w_q", q, layer.num_heads)
+    slopes = layer.alibi_slopes
+    out, _ = attention_reference(
+        query,
+        project("w_k", k, layer.num_kv_heads),
+        project("w_v", v, layer.num_kv_heads),
+        causal="bottom_right" if is_causal else None,
+        window=layer.window,
+        attn_mask=None if mask is None else mask != 0,
+        softcap=layer.softcap,
+        alibi_slopes=None if slopes is None else slopes.to(accumulate_dtype(query.dtype)),
+        sinks=None if layer.sinks is None else layer.sinks.to(accumulate_dtype(query.dtype)),
+    )
+    out = out.transpose(1, 2).reshape(batch, q.shape[1], layer.num_heads * layer.d_k)
+    return torch.nn.functional.linear(out, weights["w_o.weight"], weights.get("w_o.bias"))
+
+
+@fuzz_settings(100)
+@given(case=module_cases())
+def test_module_forward_matches_float64_copy(case):
+    note(case.call_text())
+    t = case.build()
+    inputs = (t["q"], t["k"], t["v"], t["mask"])
+    with torch.no_grad():
+        out = t["layer"](*inputs, is_causal=case.is_causal)
+        copy64 = copy.deepcopy(t["layer"]).double()
+        wide = [None if x is None or not x.is_floating_point() else x.double() for x in inputs]
+        wide[3] = t["mask"]
+        truth = module_reference(copy64, *wide, case.is_causal)
+        plain = module_reference(t["layer"], *inputs, case.is_causal)
+        # The float64 copy of the module runs the kernels in float64: the reference's values.
+        torch.testing.assert_close(copy64(*wide, is_causal=case.is_causal), truth)
+    check_rule(out, truth, plain, OUTPUT_FACTOR, "out")
