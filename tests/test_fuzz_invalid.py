@@ -10,8 +10,17 @@ from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
 import mha_ext
+import mha_ext.flash_attn_interface as flash_attn
 
-from fuzz_strategies import append_cases, bytes_digest, dense_cases, fuzz_settings, paged_cases
+from fuzz_strategies import (
+    append_cases,
+    bytes_digest,
+    dense_cases,
+    fuzz_settings,
+    kvcache_cases,
+    paged_cases,
+    varlen_cases,
+)
 
 CPU_ONLY = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -36,6 +45,11 @@ def raise_paged(case, t, corruption, data):
     if corruption == "negative seq_len":
         t["seq_lens"][b] = data.draw(st.sampled_from((-1, -(2**31))), label="length")
         return "seq_lens"
+    if corruption == "queries beyond seq_len":
+        queries = case.queries[b]
+        assume(queries > 0)
+        t["seq_lens"][b] = data.draw(st.integers(0, queries - 1), label="length")
+        return "cu_seqlens_q"
     if corruption == "seq_len beyond table":
         t["seq_lens"][b] = capacity + data.draw(st.integers(1, 3), label="excess")
         return "seq_lens"
@@ -74,6 +88,7 @@ PAGED_CORRUPTIONS = (
     "cu_seqlens_q int64",
     "negative seq_len",
     "seq_len beyond table",
+    "queries beyond seq_len",
     "cu_seqlens_q end",
     "cu_seqlens_q decreasing",
     "block id out of range",
@@ -172,3 +187,112 @@ def test_invalid_attention_raises_naming_the_argument(case, scale, mask_rows):
     mask = torch.ones(mask_rows, case.seq_k, dtype=torch.bool)
     with pytest.raises(RuntimeError, match=r"attn_mask of shape .* does not broadcast"):
         mha_ext.attention(operands.q, operands.k, operands.v, **{**options, "attn_mask": mask})
+
+
+VARLEN_CORRUPTIONS = (
+    "cu_seqlens_q decreasing",
+    "cu_seqlens_k decreasing",
+    "cu_seqlens_k negative",
+    "cu_seqlens_q end",
+    "cu_seqlens_k int64",
+    "seqused_k int64",
+    "max_seqlen_q short",
+    "max_seqlen_k short",
+    "seqused_k beyond",
+    "seqused_k negative",
+)
+
+
+@fuzz_settings(100)
+@given(case=varlen_cases(), corruption=st.sampled_from(VARLEN_CORRUPTIONS), data=st.data())
+def test_invalid_varlen_raises_naming_the_argument(case, corruption, data):
+    assume(len(case.q_lens) > 0)
+    note(case.call_text())
+    t = case.build()
+    max_q, max_k = case.max_seqlens()
+    b = data.draw(st.integers(0, len(case.q_lens) - 1), label="sequence")
+    side = "q" if "_q" in corruption else "k"
+    lens = case.q_lens if side == "q" else case.k_lens
+    cu = t[f"cu_seqlens_{side}"]
+    if corruption.endswith("decreasing"):
+        assume(len(lens) >= 2 and lens[b] > 0 and b + 1 < len(lens))
+        cu[b + 1] = cu[b] - 1
+        name = f"cu_seqlens_{side}"
+    elif corruption == "cu_seqlens_k negative":
+        cu[0], name = -data.draw(st.integers(1, 2**31 - 1), label="first"), "cu_seqlens_k"
+    elif corruption == "cu_seqlens_q end":
+        cu[-1] += data.draw(st.sampled_from((-1, 1)), label="shift")
+        name = "cu_seqlens_q"
+    elif corruption.endswith("int64"):
+        name = corruption.split()[0]
+        if name == "seqused_k" and t["seqused_k"] is None:
+            t["seqused_k"] = torch.tensor(case.k_lens, dtype=torch.int32)
+        t[name] = t[name].to(torch.int64)
+    elif corruption.startswith("max_seqlen"):
+        assume(max(lens) > 0)
+        name = f"max_seqlen_{side}"
+        shortened = max(lens) - data.draw(st.integers(1, max(lens)), label="short")
+        max_q, max_k = (shortened, max_k) if side == "q" else (max_q, shortened)
+    else:
+        used = torch.tensor(case.k_lens, dtype=torch.int32)
+        used[b] = used[b] + 1 if corruption.endswith("beyond") else -1
+        t["seqused_k"], name = used, "seqused_k"
+    note(f"then {corruption}: {name}")
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+    with pytest.raises(RuntimeError) as error:
+        mha_ext.attention_varlen(*(t[n] for n in names), max_q, max_k, **case.options(t))
+    # The op's own checks speak as mha_ext.attention (the op both functions call).
+    assert "mha_ext.attention" in str(error.value) and name in str(error.value)
+
+
+KVCACHE_CORRUPTIONS = (
+    "cache_seqlens beyond",
+    "cache_seqlens negative",
+    "cache_seqlens int64",
+    "block id out of range",
+    "block_table int64",
+    "k shape",
+    "v head_dim",
+    "k dtype",
+)
+
+
+@fuzz_settings(100)
+@given(case=kvcache_cases(), corruption=st.sampled_from(KVCACHE_CORRUPTIONS), data=st.data())
+def test_invalid_kvcache_raises_and_changes_nothing(case, corruption, data):
+    note(case.call_text())
+    args = case.build()
+    b = data.draw(st.integers(0, len(case.cache_seqlens) - 1), label="sequence")
+    if corruption == "cache_seqlens beyond":
+        args["cache_seqlens"][b] = case.capacity - case.new + data.draw(st.integers(1, 3))
+        name = "cache_seqlens"
+    elif corruption == "cache_seqlens negative":
+        args["cache_seqlens"][b], name = -1, "cache_seqlens"
+    elif corruption.endswith("int64"):
+        name = corruption.split()[0]
+        assume(name in args)
+        args[name] = args[name].to(torch.int64)
+    elif corruption == "block id out of range":
+        assume("block_table" in args)
+        used = -(-(case.cache_seqlens[b] + case.new) // case.block_size)
+        assume(used > 0)
+        column = data.draw(st.integers(0, used - 1), label="column")
+        bad = data.draw(st.sampled_from((-1, args["k_cache"].shape[0], 2**31 - 1)), label="id")
+        args["block_table"][b, column], name = bad, "block_table"
+    else:
+        assume(case.new > 0)
+        name = "k" if corruption.startswith("k") else "v"
+        if corruption == "k shape":
+            args["k"] = args["k"][:, :, :, :-1] if case.head_dim > 1 else args["k"][:1, :0]
+            assume(args["k"].shape != args["v"].shape or case.head_dim > 1)
+        elif corruption == "v head_dim":
+            args["v"] = torch.cat([args["v"], args["v"][..., :1]], -1)
+        else:
+            other = torch.float64 if case.dtype != torch.float64 else torch.float32
+            args["k"] = args["k"].to(other)
+    note(f"then {corruption}: {name}")
+    before = bytes_digest(args["k_cache"], args["v_cache"])
+    with pytest.raises((RuntimeError, ValueError)) as error:
+        flash_attn.flash_attn_with_kvcache(**args)
+    assert "flash_attn_with_kvcache" in str(error.value) and name in str(error.value)
+    assert bytes_digest(args["k_cache"], args["v_cache"]) == before
