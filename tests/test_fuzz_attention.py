@@ -65,7 +65,7 @@ def test_attention_forward_and_backward_match_reference(case):
     check_against_reference(case, operands, run_attention(case, operands))
 
 
-@fuzz_settings(40)
+@fuzz_settings(60)
 @given(case=dense_cases(dropout=True))
 def test_dropout_applies_its_mask_reproducibly(case):
     """attention with dropout equals the reference under the keep-mask dropout_mask reports

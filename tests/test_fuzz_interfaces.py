@@ -76,7 +76,7 @@ def test_sdpa_matches_torch_or_raises_as_torch_does(case):
         same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", case.head_dim)
 
 
-@fuzz_settings(150)
+@fuzz_settings(100)
 @given(case=flash_cases())
 def test_flash_attn_functions_match_reference(case):
     note(case.call_text())

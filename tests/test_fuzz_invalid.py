@@ -203,7 +203,7 @@ VARLEN_CORRUPTIONS = (
 )
 
 
-@fuzz_settings(100)
+@fuzz_settings(200)
 @given(case=varlen_cases(), corruption=st.sampled_from(VARLEN_CORRUPTIONS), data=st.data())
 def test_invalid_varlen_raises_naming_the_argument(case, corruption, data):
     assume(len(case.q_lens) > 0)
@@ -257,7 +257,7 @@ KVCACHE_CORRUPTIONS = (
 )
 
 
-@fuzz_settings(100)
+@fuzz_settings(200)
 @given(case=kvcache_cases(), corruption=st.sampled_from(KVCACHE_CORRUPTIONS), data=st.data())
 def test_invalid_kvcache_raises_and_changes_nothing(case, corruption, data):
     note(case.call_text())

@@ -30,7 +30,7 @@ def cancel_scale(case, t, reference_out) -> float:
     return scale * delta * largest
 
 
-@fuzz_settings(150)
+@fuzz_settings(100)
 @given(case=varlen_cases())
 def test_varlen_forward_and_backward_match_reference(case):
     note(case.call_text())
