@@ -152,5 +152,8 @@ setup(
     # numpy: torch imports without it but warns "Failed to initialize NumPy" on every import.
     install_requires=["torch>=2.5", "numpy"],
     # mha_ext.integrations.transformers registers an attention implementation with it.
-    extras_require={"transformers": ["transformers>=5.0"]},
+    extras_require={
+        "transformers": ["transformers>=5.0"],
+        "test": ["pytest", "hypothesis>=6.170", "numpy"],
+    },
 )

@@ -284,7 +284,11 @@ def test_paged_attention_argument_errors(host_index_checks):
         RuntimeError, match=r"cu_seqlens_q must start at 0 and end at total_q = 5, got 0 and 4"
     ):
         attend(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 1, 4], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match=r"sequence 0 has 3 queries but seq_lens\[0\] = 2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"sequence 0 has 3 queries \(cu_seqlens_q\[1\] - cu_seqlens_q\[0\] = 3 - 0\) "
+        r"but seq_lens\[0\] = 2",
+    ):
         attend(
             q,
             k_cache,

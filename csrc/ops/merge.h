@@ -13,7 +13,8 @@
 namespace mha_ext {
 
 // One merge: its params and what they point at, the inputs as [rows, head_dim] / [rows] views
-// (copied only when the leading dims do not flatten) and the outputs.
+// (copied only when the leading dims do not flatten or the last dim is strided) and the
+// outputs.
 struct MergeStatesCall {
   MergeStatesParams params;
   at::Tensor rows_a, rows_b, lse_a, lse_b;
@@ -41,8 +42,14 @@ inline MergeStatesCall make_merge_states_call(const at::Tensor& out_a, const at:
   p.dtype = to_dtype(out_a.scalar_type(), kOp, "out_a");
   p.rows = lse_a.numel();
   p.head_dim = out_a.size(-1);
-  call.rows_a = out_a.reshape({p.rows, p.head_dim});
-  call.rows_b = out_b.reshape({p.rows, p.head_dim});
+  // The kernels read each row's head_dim elements contiguously: a strided last dim (a
+  // transposed view, say) is copied, as reshape keeps such a view's strides.
+  const auto as_rows = [&](const at::Tensor& out) {
+    at::Tensor rows = out.reshape({p.rows, p.head_dim});
+    return p.head_dim > 1 && rows.stride(1) != 1 ? rows.contiguous() : rows;
+  };
+  call.rows_a = as_rows(out_a);
+  call.rows_b = as_rows(out_b);
   call.lse_a = lse_a.contiguous();
   call.lse_b = lse_b.contiguous();
   call.out = at::empty(out_a.sizes(), out_a.options());

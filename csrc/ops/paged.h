@@ -75,8 +75,9 @@ inline std::pair<int64_t, int64_t> check_paged_index_values(const PagedAttention
     TORCH_CHECK(queries >= 0, kPagedOp, "cu_seqlens_q must not decrease, got cu_seqlens_q[", b,
                 "] = ", cu_seqlens_q[b], " > cu_seqlens_q[", b + 1, "] = ", cu_seqlens_q[b + 1]);
     TORCH_CHECK(seq_len >= queries, kPagedOp, "sequence ", b, " has ", queries,
-                " queries but seq_lens[", b, "] = ", seq_len,
-                " (seq_lens counts the cached tokens, the new ones included)");
+                " queries (cu_seqlens_q[", b + 1, "] - cu_seqlens_q[", b,
+                "] = ", cu_seqlens_q[b + 1], " - ", cu_seqlens_q[b], ") but seq_lens[", b,
+                "] = ", seq_len, " (seq_lens counts the cached tokens, the new ones included)");
     TORCH_CHECK(seq_len <= capacity, kPagedOp, "seq_lens[", b, "] = ", seq_len,
                 " exceeds what a block table row holds: ", p.max_blocks_per_seq, " blocks x ",
                 p.block_size, " = ", capacity);
