@@ -63,7 +63,13 @@ def _fresh(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_fresh(item) for item in value)
     if isinstance(value, dist.P2POp):
-        return dist.P2POp(value.op, torch.empty_like(value.tensor), value.peer, value.group)
+        return dist.P2POp(
+            value.op,
+            torch.empty_like(value.tensor),
+            group=value.group,
+            tag=value.tag,
+            group_peer=value.group_peer,
+        )
     return value
 
 
