@@ -77,8 +77,17 @@ def test_context_parallel_suite_reports_ranks_bytes_overlap_and_memory(tmp_path)
         ("ulysses", False),
         ("ulysses", True),
     ]
+    # --seq 64 on 2 ranks: a (1, 8, 32, 64) fp32 shard of q, k or v is 64 KiB. The forward
+    # sends, besides a small all_gather of the ranks' options: ring, K and V one hop; ulysses,
+    # half of q, k, v and the output each.
+    shard = 8 * 32 * 64 * 4
+    forward_bytes = {"ring": 2 * shard, "ulysses": 4 * shard // 2}
     for case in cases:
         assert case["params"]["world"] == 2 and len(case["ranks"]) == 2
+        if not case["params"]["backward"]:
+            expected = forward_bytes[case["params"]["strategy"]]
+            for rank in case["ranks"]:
+                assert expected <= rank["bytes_sent"] <= expected + 1024, case
         assert set(case["results"]) == {"context_parallel", "single_process"}
         assert all(entry["seconds_per_call"] > 0 for entry in case["results"].values())
         assert all(rank["bytes_sent"] > 0 for rank in case["ranks"]), case

@@ -7,22 +7,18 @@ a rank that fails ends the run with an error instead of a hang.
 """
 
 import copy
-import datetime
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distributed_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from mha_ext import MultiHeadAttention
-from mha_ext.distributed.tensor_parallel import parallelize_attention
+from mha_ext.distributed import gather_sequence, parallelize_attention, shard_sequence
 
 from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule
 
-TIMEOUT = datetime.timedelta(seconds=60)
 # (num_heads, num_kv_heads, module options): MHA, GQA with both of its kv heads per rank at
 # world 2 (one at world 4), and the per-head features that parallelize_attention must split.
 CONFIGS = [
@@ -32,28 +28,7 @@ CONFIGS = [
 ]
 D_K = 8
 BATCH, SEQ = 2, 11  # an odd sequence length: nothing lines up by accident
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def run_ranks(world: int, worker, *args):
-    """worker(rank, world, *args) on `world` spawned processes in one gloo process group."""
-    port = free_port()
-    mp.spawn(_rank_entry, args=(world, port, worker, args), nprocs=world, join=True)
-
-
-def _rank_entry(rank, world, port, worker, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        worker(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+CP_SEQ = 12  # TP x CP: zigzag splits the sequence into 2 x 2 chunks of 3
 
 
 def gathered(tensor):
@@ -61,16 +36,56 @@ def gathered(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def run_module(module, inputs, is_causal):
+def run_module(module, inputs, is_causal, cp_group=None):
     """Output and the gradients of the inputs and parameters for a fixed random upstream
-    gradient; parameters by name, full tensors."""
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    out = module(*leaves, is_causal=is_causal)  # (B, S, d_model)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    gradient; parameters by name, full tensors. With cp_group the module takes sequence
+    shards: the inputs are sharded, the output and input gradients gathered, and the
+    parameter gradients summed over the sequence shards."""
+    full = [x.detach().clone() for x in inputs]
+    upstream = torch.randn(full[0].shape, generator=torch.Generator().manual_seed(1))
+    upstream = upstream.to(full[0].dtype)  # (B, S, d_model)
+    if cp_group is not None:
+        full = [shard_sequence(x, 1, cp_group) for x in full]
+        upstream = shard_sequence(upstream, 1, cp_group)
+    leaves = [x.requires_grad_() for x in full]
+    out = module(*leaves, is_causal=is_causal)  # (B, S, d_model) or its sequence shard
     out.backward(upstream)
     grads = {f"input {i}": x.grad for i, x in enumerate(leaves)}
-    grads.update({name: gathered(p.grad) for name, p in module.named_parameters()})
+    params = {name: gathered(p.grad) for name, p in module.named_parameters()}
+    if cp_group is not None:
+        out = gather_sequence(out.detach(), 1, cp_group)
+        grads = {name: gather_sequence(g, 1, cp_group) for name, g in grads.items()}
+        for grad in params.values():
+            dist.all_reduce(grad, group=cp_group)
+    grads.update(params)
     return out.detach(), grads
+
+
+def modules_and_inputs(heads, kv_heads, options, seq):
+    """The float64 reference module, an fp32 copy, and float64 inputs x, memory, memory."""
+    torch.manual_seed(0)
+    reference64 = MultiHeadAttention(
+        heads * D_K, heads, dropout=0.0, num_kv_heads=kv_heads, **options
+    ).double()
+    if reference64.sinks is not None:
+        torch.nn.init.normal_(reference64.sinks)  # zero sinks would test nothing
+    generator = torch.Generator().manual_seed(2)
+    x, memory = (
+        torch.randn(BATCH, seq, heads * D_K, generator=generator, dtype=torch.float64)
+        for _ in range(2)
+    )
+    return reference64, copy.deepcopy(reference64).float(), (x, memory, memory)
+
+
+def check_equal_to_unsharded(what, reference64, plain, sharded, inputs64, is_causal, cp_group):
+    out64, grads64 = run_module(reference64, inputs64, is_causal)
+    inputs = tuple(t.float() for t in inputs64)
+    plain_out, plain_grads = run_module(plain, inputs, is_causal)
+    out, grads = run_module(sharded, inputs, is_causal, cp_group)
+    assert_within_rule(out, out64, plain_out, OUTPUT_FACTOR, f"{what}: output")
+    assert grads.keys() == grads64.keys(), what
+    for name, grad in grads.items():
+        assert_within_rule(grad, grads64[name], plain_grads[name], GRAD_FACTOR, f"{what}: d {name}")
 
 
 def check_matches_unsharded(world):
@@ -78,29 +93,38 @@ def check_matches_unsharded(world):
     for heads, kv_heads, options in CONFIGS:
         for is_causal in (False, True):
             what = f"world {world} heads {heads}/{kv_heads} {options} causal {is_causal}"
-            torch.manual_seed(0)
-            reference64 = MultiHeadAttention(
-                heads * D_K, heads, dropout=0.0, num_kv_heads=kv_heads, **options
-            ).double()
-            if reference64.sinks is not None:
-                torch.nn.init.normal_(reference64.sinks)  # zero sinks would test nothing
-            plain = copy.deepcopy(reference64).float()
+            reference64, plain, inputs64 = modules_and_inputs(heads, kv_heads, options, SEQ)
             sharded = parallelize_attention(copy.deepcopy(plain), mesh)
             assert (sharded.num_heads, sharded.num_kv_heads) == (heads // world, kv_heads // world)
-            generator = torch.Generator().manual_seed(2)
-            x = torch.randn(BATCH, SEQ, heads * D_K, generator=generator, dtype=torch.float64)
-            memory = torch.randn(BATCH, SEQ, heads * D_K, generator=generator, dtype=torch.float64)
-            inputs64 = (x, memory, memory)
-            out64, grads64 = run_module(reference64, inputs64, is_causal)
-            inputs = tuple(t.float() for t in inputs64)
-            plain_out, plain_grads = run_module(plain, inputs, is_causal)
-            out, grads = run_module(sharded, inputs, is_causal)
-            assert_within_rule(out, out64, plain_out, OUTPUT_FACTOR, f"{what}: output")
-            assert grads.keys() == grads64.keys(), what
-            for name, grad in grads.items():
-                assert_within_rule(
-                    grad, grads64[name], plain_grads[name], GRAD_FACTOR, f"{what}: d {name}"
-                )
+            check_equal_to_unsharded(what, reference64, plain, sharded, inputs64, is_causal, None)
+
+
+def check_composed_with_context_parallel():
+    """World 4 as a 2 x 2 mesh: heads split over "tp", the sequence over "cp"."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    for strategy, (heads, kv_heads) in (("ring", (8, 4)), ("ring", (4, 2)), ("ulysses", (8, 4))):
+        for is_causal in (False, True):
+            what = f"TP x CP {strategy} heads {heads}/{kv_heads} causal {is_causal}"
+            reference64, plain, inputs64 = modules_and_inputs(
+                heads, kv_heads, {"window": (4, None)}, CP_SEQ
+            )
+            sharded = parallelize_attention(
+                copy.deepcopy(plain), mesh["tp"], sequence_mesh=mesh["cp"], strategy=strategy
+            )
+            cp_group = mesh["cp"].get_group()
+            check_equal_to_unsharded(
+                what, reference64, plain, sharded, inputs64, is_causal, cp_group
+            )
+    sharded = parallelize_attention(
+        MultiHeadAttention(4 * D_K, 4), mesh["tp"], sequence_mesh=mesh["cp"]
+    )
+    x = torch.randn(BATCH, CP_SEQ // 2, 4 * D_K)
+    with pytest.raises(ValueError, match="takes no mask, dropout \\(training\\)"):
+        sharded(x, x, x, mask=torch.ones(CP_SEQ // 2, CP_SEQ // 2))
+    with pytest.raises(ValueError, match="strategy must be 'ring' or 'ulysses', got 'tree'"):
+        parallelize_attention(MultiHeadAttention(4 * D_K, 4), mesh["tp"], strategy="tree")
+    with pytest.raises(ValueError, match="sequence_mesh must be None or a 1-D DeviceMesh"):
+        parallelize_attention(MultiHeadAttention(4 * D_K, 4), mesh["tp"], sequence_mesh=mesh)
 
 
 def check_errors(world):
@@ -120,8 +144,10 @@ def check_errors(world):
 def world_checks(rank, world):
     check_matches_unsharded(world)
     check_errors(world)
+    if world == 4:
+        check_composed_with_context_parallel()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_attention_equals_the_unsharded_module(world):
-    run_ranks(world, world_checks)
+    run_ranks(world_checks, world)
