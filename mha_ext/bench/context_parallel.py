@@ -195,6 +195,12 @@ def peak_memory_bytes(step: Callable[[], None]) -> int:
     return max(peak, _anonymous_resident_bytes()) - before
 
 
+def _timed_once(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
 def _slowest_rank_median(step: Callable[[], None], repeats: int) -> float:
     """Median over repeats of the slowest rank's time; the ranks start each repeat together."""
     step()  # warm-up: first-touch memory, thread pools
@@ -223,6 +229,8 @@ def _attention_step(attend, inputs, backward):
 
 
 def _run_case(spec: Dict, repeats: int, meter: CommunicationMeter) -> Dict:
+    # Imported in the ranks only: mha_ext.distributed loads torch.distributed.tensor (0.6 s),
+    # which the other suites of python -m mha_ext.bench do not need.
     from ..distributed import context_parallel_attention, shard_sequence
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
@@ -286,12 +294,6 @@ def _run_case(spec: Dict, repeats: int, meter: CommunicationMeter) -> Dict:
         "single_process_peak_memory_bytes": single.get("peak_memory_bytes"),
         "unsupported": {},
     }
-
-
-def _timed_once(step: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
 
 
 def case_specs(seqs, head_dims, dtypes) -> List[Dict]:
