@@ -38,14 +38,21 @@ def draw_documents(data, starts, tokens: int, context: int):
     return documents
 
 
-def train(steps: int, batch: int, context: int):
-    """Trains a CausalLM on packed documents of the shipped text, batch * context tokens a
-    step (as many as a (batch, context) window batch); returns (model, alphabet)."""
+def load_text(context: int):
+    """(text, alphabet, data, starts) of the shipped text: its sorted characters, the text as
+    (len,) indices into them, and the word starts with room for `context` tokens and a
+    target after them."""
     text = resources.files("mha_ext").joinpath("data/attention.txt").read_text()
     alphabet = sorted(set(text))
     data = torch.tensor([alphabet.index(c) for c in text])
-    # Word starts with room for the longest document and its target.
     starts = torch.tensor([i for i in range(len(text) - context) if i == 0 or text[i - 1] in " \n"])
+    return text, alphabet, data, starts
+
+
+def train(steps: int, batch: int, context: int):
+    """Trains a CausalLM on packed documents of the shipped text, batch * context tokens a
+    step (as many as a (batch, context) window batch); returns (model, alphabet)."""
+    text, alphabet, data, starts = load_text(context)
     model = CausalLM(len(alphabet), context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     print(

@@ -65,9 +65,13 @@ class CausalLM(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """(B, T) token ids -> (B, T, vocab) logits, full causal attention."""
-        x = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """(B, T) token ids -> (B, T, vocab) logits, full causal attention. positions: (T,)
+        the tokens' positions, default 0..T-1 (a context-parallel rank holds a shard of the
+        sequence and passes its positions, see mha_ext.train)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token(tokens) + self.position(positions)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

@@ -3,7 +3,7 @@
 import math
 import sys
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -76,9 +76,7 @@ class MultiHeadAttention(nn.Module):
     With none of the four set, the module, its state_dict and its results are the seed's.
 
     mha_ext.distributed.parallelize_attention splits the heads across ranks: num_heads and
-    num_kv_heads are then this rank's counts, out of tensor_parallel_size times as many. With
-    its sequence_mesh, context_parallel holds (process group, strategy): forward then takes
-    this rank's sequence shards and attends through context_parallel_attention.
+    num_kv_heads are then this rank's counts, out of tensor_parallel_size times as many.
     """
 
     def __init__(
@@ -111,7 +109,6 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.tensor_parallel_size = 1  # ranks the heads are split across
-        self.context_parallel: Optional[Tuple[object, str]] = None  # (group, strategy)
         self.d_k = d_model // num_heads
         factory = {"device": device, "dtype": dtype}
         kv_width = num_kv_heads * self.d_k
@@ -133,6 +130,9 @@ class MultiHeadAttention(nn.Module):
         # fp32 whatever the projections' dtype: the kernels read sinks in fp32 (fp64 for fp64).
         sink_logits = torch.zeros(num_heads, device=device, dtype=torch.float32)
         self.register_parameter("sinks", nn.Parameter(sink_logits) if sinks else None)
+        # What forward attends with: None for mha_ext.attention, or a function of its
+        # signature, e.g. mha_ext.distributed.context_parallel_attention_function's.
+        self.attention_function: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts floating buffers too; the fp32 slopes are kept
@@ -196,8 +196,6 @@ class MultiHeadAttention(nn.Module):
             (B, Sq, d_model), or (output, weights) when need_weights; packed: (total_tokens,
             d_model).
         """
-        if self.context_parallel is not None:
-            self._check_context_parallel(mask, need_weights, cu_seqlens)
         if cu_seqlens is not None:
             return self._forward_packed(
                 q, k, v, mask, is_causal, need_weights, head_mask, cu_seqlens, max_seqlen
@@ -218,31 +216,19 @@ class MultiHeadAttention(nn.Module):
         value = self._split_heads(self.w_v(v), self.num_kv_heads)  # (B, Hkv, Sk, d_k)
         attn_mask = None if mask is None else mask != 0
         causal = "bottom_right" if is_causal else None
-        if self.context_parallel is not None:
-            from .distributed import context_parallel_attention
-
-            group, strategy = self.context_parallel
-            out, lse = context_parallel_attention(
-                query,
-                key,
-                value,
-                group=group,
-                strategy=strategy,
-                causal=causal,
-                window=self.window,
-                return_lse=True,
-            )  # (B, H, Sq_local, d_k): this rank's sequence shard
-        else:
-            out, lse = functional.attention(
-                query,
-                key,
-                value,
-                causal=causal,
-                attn_mask=attn_mask,
-                dropout_p=self.dropout.p if self.training else 0.0,
-                return_lse=True,
-                **self._score_options(),
-            )  # (B, H, Sq, d_k)
+        attend = (
+            functional.attention if self.attention_function is None else self.attention_function
+        )
+        out, lse = attend(
+            query,
+            key,
+            value,
+            causal=causal,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            return_lse=True,
+            **self._score_options(),
+        )  # (B, H, Sq, d_k)
         # The sink is inside lse, so the rebuilt rows sum to 1 - exp(sink - lse).
         weights = (
             functional.attention_probs(
@@ -257,25 +243,6 @@ class MultiHeadAttention(nn.Module):
             weights = None if weights is None else weights * per_head
         out = self.w_o(out.transpose(1, 2).flatten(2))  # (B, Sq, d_model)
         return (out, weights) if need_weights else out
-
-    def _check_context_parallel(self, mask, need_weights, cu_seqlens) -> None:
-        """What context_parallel_attention does not take, named with the values given."""
-        unsupported = {
-            "mask": mask is not None,
-            "need_weights": need_weights,
-            "cu_seqlens": cu_seqlens is not None,
-            "dropout (training)": self.training and self.dropout.p > 0,
-            "softcap": self.softcap > 0,
-            "alibi": self.alibi_slopes is not None,
-            "sinks": self.sinks is not None,
-        }
-        used = [name for name, on in unsupported.items() if on]
-        if used:
-            raise ValueError(
-                f"MultiHeadAttention: with a sequence_mesh (context parallel) the forward "
-                f"takes no {', '.join(used)}: context_parallel_attention does not support them "
-                f"(dropout {self.dropout.p}, training {self.training}, softcap {self.softcap})"
-            )
 
     def _forward_packed(
         self,

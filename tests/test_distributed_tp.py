@@ -15,7 +15,12 @@ from distributed_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from mha_ext import MultiHeadAttention
-from mha_ext.distributed import gather_sequence, parallelize_attention, shard_sequence
+from mha_ext.distributed import (
+    context_parallel_attention_function,
+    gather_sequence,
+    parallelize_attention,
+    shard_sequence,
+)
 
 from conftest import GRAD_FACTOR, OUTPUT_FACTOR, assert_within_rule
 
@@ -108,23 +113,14 @@ def check_composed_with_context_parallel():
             reference64, plain, inputs64 = modules_and_inputs(
                 heads, kv_heads, {"window": (4, None)}, CP_SEQ
             )
-            sharded = parallelize_attention(
-                copy.deepcopy(plain), mesh["tp"], sequence_mesh=mesh["cp"], strategy=strategy
-            )
             cp_group = mesh["cp"].get_group()
+            sharded = parallelize_attention(copy.deepcopy(plain), mesh["tp"])
+            sharded.attention_function = context_parallel_attention_function(
+                group=cp_group, strategy=strategy
+            )
             check_equal_to_unsharded(
                 what, reference64, plain, sharded, inputs64, is_causal, cp_group
             )
-    sharded = parallelize_attention(
-        MultiHeadAttention(4 * D_K, 4), mesh["tp"], sequence_mesh=mesh["cp"]
-    )
-    x = torch.randn(BATCH, CP_SEQ // 2, 4 * D_K)
-    with pytest.raises(ValueError, match="takes no mask, dropout \\(training\\)"):
-        sharded(x, x, x, mask=torch.ones(CP_SEQ // 2, CP_SEQ // 2))
-    with pytest.raises(ValueError, match="strategy must be 'ring' or 'ulysses', got 'tree'"):
-        parallelize_attention(MultiHeadAttention(4 * D_K, 4), mesh["tp"], strategy="tree")
-    with pytest.raises(ValueError, match="sequence_mesh must be None or a 1-D DeviceMesh"):
-        parallelize_attention(MultiHeadAttention(4 * D_K, 4), mesh["tp"], sequence_mesh=mesh)
 
 
 def check_errors(world):

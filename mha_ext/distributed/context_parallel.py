@@ -14,7 +14,7 @@ Two strategies, both on torch.distributed alone (gloo on CPU, NCCL on CUDA):
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -155,7 +155,6 @@ class _Ring:
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int):
         self.group = group
-        self.rank = rank
         self.world_size = world_size
         self.next = (rank + 1) % world_size
         self.previous = (rank - 1) % world_size
@@ -463,11 +462,13 @@ def _check_inputs(q, k, v, strategy, load_balance, dropout_p, world_size) -> Non
     for name in ("q", "k"):
         seq_local = tensors[name].shape[2]
         if seq_local == 0 or seq_local % per_shard != 0:
-            raise ValueError(
-                f"{_FN}: {name}'s seq_local {seq_local} must be a positive multiple of "
-                f"{per_shard} (load_balance={load_balance!r}: each shard holds {per_shard} "
-                f"equal chunks of the 2W)"
+            need = (
+                "even and positive (load_balance='zigzag': each shard holds 2 of the 2W "
+                "equal chunks)"
+                if per_shard == 2
+                else "positive"
             )
+            raise ValueError(f"{_FN}: {name}'s seq_local {seq_local} must be {need}")
     if strategy == "ulysses" and q.shape[1] % world_size != 0:
         raise ValueError(
             f"{_FN}: q has {q.shape[1]} heads, which the world size {world_size} does not "
@@ -475,59 +476,57 @@ def _check_inputs(q, k, v, strategy, load_balance, dropout_p, world_size) -> Non
         )
 
 
-_AGREED_FIELDS = (
-    "batch",
-    "heads",
-    "kv_heads",
-    "q seq_local",
-    "k seq_local",
-    "head_dim",
-    "v head_dim",
-    "dtype",
-    "strategy",
-    "load_balance",
-    "window_left",
-    "window_right",
-    "bottom_right",
-    "scale",
-)
+_LOAD_BALANCE_CODES = (None, "zigzag")
 
 
 def _check_ranks_agree(q, k, v, strategy, load_balance, causal, window, scale, group) -> None:
     """Compares the shapes and options of every rank (one small all_gather), so that a
     mismatch raises the same error on every rank instead of hanging a collective."""
     left, right, bottom_right = functional._window_bounds(causal, window, _FN)
-    values = (
-        *q.shape[:3],
-        k.shape[1],
-        k.shape[2],
-        q.shape[3],
-        v.shape[3],
-        functional.KERNEL_DTYPES.index(q.dtype) if q.dtype in functional.KERNEL_DTYPES else -1,
-        STRATEGIES.index(strategy),
-        0 if load_balance is None else 1,
-        left,
-        right,
-        int(bottom_right),
-        scale,
-    )
-    mine = torch.tensor(values, dtype=torch.float64, device=q.device)
+    dtypes = functional.KERNEL_DTYPES
+    fields = {
+        "batch": q.shape[0],
+        "heads": q.shape[1],
+        "kv_heads": k.shape[1],
+        "q seq_local": q.shape[2],
+        "k seq_local": k.shape[2],
+        "head_dim": q.shape[3],
+        "v head_dim": v.shape[3],
+        "dtype": dtypes.index(q.dtype) if q.dtype in dtypes else -1,
+        "strategy": STRATEGIES.index(strategy),
+        "load_balance": _LOAD_BALANCE_CODES.index(load_balance),
+        "window_left": left,
+        "window_right": right,
+        "bottom_right": int(bottom_right),
+        "scale": scale,
+    }
+    mine = torch.tensor(list(fields.values()), dtype=torch.float64, device=q.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     differ = [
-        field
-        for index, field in enumerate(_AGREED_FIELDS)
-        if any(other[index] != mine[index] for other in everyone)
+        index for index in range(len(fields)) if any(o[index] != mine[index] for o in everyone)
     ]
-    if differ:
-        table = {
-            rank: {f: other[_AGREED_FIELDS.index(f)].item() for f in differ}
-            for rank, other in enumerate(everyone)
-        }
-        raise ValueError(
-            f"{_FN}: the ranks disagree on {', '.join(differ)} (by group rank: {table}); every "
-            f"rank must pass shards of one shape and the same options"
-        )
+    if not differ:
+        return
+    names = list(fields)
+    decode = {
+        "dtype": lambda code: dtypes[code] if code >= 0 else "other",
+        "strategy": lambda code: STRATEGIES[code],
+        "load_balance": lambda code: _LOAD_BALANCE_CODES[code],
+    }
+
+    def shown(index, value):
+        name = names[index]
+        return value if name == "scale" else decode.get(name, int)(int(value))
+
+    table = {
+        rank: {names[i]: shown(i, other[i].item()) for i in differ}
+        for rank, other in enumerate(everyone)
+    }
+    raise ValueError(
+        f"{_FN}: the ranks disagree on {', '.join(names[i] for i in differ)} (by group rank: "
+        f"{table}); every rank must pass shards of one shape and the same options"
+    )
 
 
 def context_parallel_attention(
@@ -582,3 +581,60 @@ def context_parallel_attention(
     deterministic = torch.are_deterministic_algorithms_enabled()
     out, lse = _RingAttention.apply(q, k, v, ring, plans, scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+def context_parallel_attention_function(
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    strategy: str = "ring",
+    load_balance: Optional[str] = "zigzag",
+) -> Callable[..., Union[Tensor, Tuple[Tensor, Tensor]]]:
+    """A function with mha_ext.attention's signature that runs context_parallel_attention,
+    for MultiHeadAttention.attention_function: a model whose ranks each hold their shard of
+    the sequence (shard_sequence, with this load_balance) then attends over the whole of it.
+
+    The arguments context parallelism lacks (attn_mask, softcap, alibi_slopes, sinks,
+    dropout_p) raise a ValueError naming them when set.
+    """
+
+    def attend(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: Optional[str] = None,
+        scale: Optional[float] = None,
+        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+        attn_mask: Optional[Tensor] = None,
+        dropout_p: float = 0.0,
+        return_lse: bool = False,
+        softcap: float = 0.0,
+        alibi_slopes: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None,
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        unsupported = {
+            "attn_mask": attn_mask is not None,
+            "softcap": softcap != 0.0,
+            "alibi_slopes": alibi_slopes is not None,
+            "sinks": sinks is not None,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                f"{_FN}: {', '.join(name for name, on in unsupported.items() if on)} not "
+                f"supported in context parallelism"
+            )
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            group=group,
+            strategy=strategy,
+            causal=causal,
+            scale=scale,
+            window=window,
+            load_balance=load_balance,
+            return_lse=return_lse,
+            dropout_p=dropout_p,
+        )
+
+    return attend

@@ -8,8 +8,6 @@ runs on the local heads with no communication, and w_o is split by input columns
 gradient per backward).
 """
 
-from typing import Optional
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -19,11 +17,7 @@ from ..modules import MultiHeadAttention
 
 
 def parallelize_attention(
-    module: MultiHeadAttention,
-    device_mesh: DeviceMesh,
-    *,
-    sequence_mesh: Optional[DeviceMesh] = None,
-    strategy: str = "ring",
+    module: MultiHeadAttention, device_mesh: DeviceMesh
 ) -> MultiHeadAttention:
     """Shard `module`'s heads across `device_mesh` in place and return it.
 
@@ -38,11 +32,10 @@ def parallelize_attention(
         module: an mha_ext.MultiHeadAttention, not parallelized yet.
         device_mesh: a 1-D mesh (for a 2-D mesh, pass its tensor-parallel dimension,
             mesh["tp"]); its size must divide num_heads and num_kv_heads.
-        sequence_mesh: composes context parallelism on another mesh dimension (mesh["cp"]):
-            forward then takes this rank's sequence shards of q, k and v, (B, S / W, d_model)
-            as shard_sequence(x, 1, sequence_mesh.get_group()) gives them, attends through
-            context_parallel_attention with `strategy` ("ring" or "ulysses"), and returns the
-            output's shard; no mask, dropout, softcap, ALiBi or sinks then.
+
+    Context parallelism composes on another mesh dimension: set module.attention_function =
+    context_parallel_attention_function(group=mesh["cp"].get_group()) and the module takes
+    and returns this rank's sequence shards, (B, S / W_cp, d_model).
     """
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(
@@ -60,17 +53,6 @@ def parallelize_attention(
         raise ValueError(
             f"parallelize_attention: module is already split across "
             f"{module.tensor_parallel_size} ranks"
-        )
-    if sequence_mesh is not None and (
-        not isinstance(sequence_mesh, DeviceMesh) or sequence_mesh.ndim != 1
-    ):
-        raise ValueError(
-            f"parallelize_attention: sequence_mesh must be None or a 1-D DeviceMesh (a 2-D "
-            f"mesh's context-parallel dimension, e.g. mesh['cp']), got {sequence_mesh!r}"
-        )
-    if strategy not in ("ring", "ulysses"):
-        raise ValueError(
-            f"parallelize_attention: strategy must be 'ring' or 'ulysses', got {strategy!r}"
         )
     ranks = device_mesh.size()
     if module.num_heads % ranks or module.num_kv_heads % ranks:
@@ -101,6 +83,4 @@ def parallelize_attention(
     module.num_heads = local_heads
     module.num_kv_heads //= ranks
     module.tensor_parallel_size = ranks
-    if sequence_mesh is not None:
-        module.context_parallel = (sequence_mesh.get_group(), strategy)
     return module
