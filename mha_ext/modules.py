@@ -1,6 +1,7 @@
 """MultiHeadAttention on the fused kernels, with the seed tutorial's interface."""
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -73,6 +74,9 @@ class MultiHeadAttention(nn.Module):
             `sinks` (num_heads,), zero-initialised: it joins each softmax denominator.
 
     With none of the four set, the module, its state_dict and its results are the seed's.
+
+    mha_ext.distributed.parallelize_attention splits the heads across ranks: num_heads and
+    num_kv_heads are then this rank's counts, out of tensor_parallel_size times as many.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class MultiHeadAttention(nn.Module):
         self.d_model = d_model
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.tensor_parallel_size = 1  # ranks the heads are split across
         self.d_k = d_model // num_heads
         factory = {"device": device, "dtype": dtype}
         kv_width = num_kv_heads * self.d_k
@@ -130,13 +135,14 @@ class MultiHeadAttention(nn.Module):
         self.attention_function: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
 
     def _apply(self, fn, recurse=True):
-        # module.to(torch.bfloat16) casts floating buffers too; the slopes are a function of
-        # the head count, so they are recomputed in fp32 instead of kept rounded (bf16 holds
-        # 8 bits of 2^(-8/12) = 0.630..., off by up to 0.2%).
+        # module.to(torch.bfloat16) casts floating buffers too; the fp32 slopes are kept
+        # (moved) instead of rounded (bf16 holds 8 bits of 2^(-8/12) = 0.630..., off by up to
+        # 0.2%).
+        fp32_slopes = self.alibi_slopes
         super()._apply(fn, recurse)
         slopes = self.alibi_slopes
         if slopes is not None and slopes.dtype != torch.float32:
-            self.alibi_slopes = alibi_slopes(self.num_heads, slopes.device)
+            self.alibi_slopes = fp32_slopes.to(slopes.device)
         return self
 
     @classmethod
@@ -235,7 +241,7 @@ class MultiHeadAttention(nn.Module):
             per_head = self._head_factors(head_mask, batch)  # (B or 1, H, 1, 1)
             out = out * per_head
             weights = None if weights is None else weights * per_head
-        out = self.w_o(out.transpose(1, 2).reshape(batch, -1, self.d_model))  # (B, Sq, d_model)
+        out = self.w_o(out.transpose(1, 2).flatten(2))  # (B, Sq, d_model)
         return (out, weights) if need_weights else out
 
     def _forward_packed(
@@ -327,7 +333,7 @@ class MultiHeadAttention(nn.Module):
             "window": self.window,
             "softcap": self.softcap,
             "alibi_slopes": self.alibi_slopes,
-            "sinks": self.sinks,
+            "sinks": _local_shard(self.sinks),
         }
 
     def _paged_score_options(self) -> Dict[str, object]:
@@ -342,7 +348,7 @@ class MultiHeadAttention(nn.Module):
         if self.alibi_slopes is not None:
             options["alibi_slopes"] = self.alibi_slopes
         if self.sinks is not None:
-            options["sinks"] = self.sinks
+            options["sinks"] = _local_shard(self.sinks)
         return options
 
     def _head_factors(self, head_mask: Tensor, batch: int) -> Tensor:
@@ -366,6 +372,17 @@ class MultiHeadAttention(nn.Module):
             )
         lengths = cu_seqlens.diff().long()  # (documents,)
         return head_mask.repeat_interleave(lengths, dim=0).unsqueeze(-1)  # (T, H, 1)
+
+
+def _local_shard(tensor: Optional[Tensor]) -> Optional[Tensor]:
+    """This rank's plain block of a per-head parameter that parallelize_attention made a
+    DTensor sharded by head (the kernels take plain tensors), else the tensor itself."""
+    # torch.distributed.tensor is loaded only where a DTensor exists: importing it here would
+    # add 0.6 s to `import mha_ext`.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        return tensor.to_local()
+    return tensor
 
 
 def _checked_window(window) -> Optional[Tuple[Optional[int], Optional[int]]]:

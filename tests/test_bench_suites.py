@@ -63,3 +63,34 @@ def test_sdpa_provider_is_active_only_inside_its_contenders_context():
     with suites._sdpa_provider_active():
         assert current_flash_attention_impl() == "mha_ext"
     assert current_flash_attention_impl() == before
+
+
+def test_context_parallel_suite_reports_ranks_bytes_overlap_and_memory(tmp_path):
+    result = run_bench(
+        tmp_path, "--suite", "context_parallel", "--quick", "--world", "2", "--seq", "64"
+    )
+    cases = json.loads((tmp_path / "results.json").read_text())["results"]
+    # ring and ulysses, forward and forward + backward, at --quick's one head dim
+    assert sorted((c["params"]["strategy"], c["params"]["backward"]) for c in cases) == [
+        ("ring", False),
+        ("ring", True),
+        ("ulysses", False),
+        ("ulysses", True),
+    ]
+    # --seq 64 on 2 ranks: a (1, 8, 32, 64) fp32 shard of q, k or v is 64 KiB. The forward
+    # sends, besides a small all_gather of the ranks' options: ring, K and V one hop; ulysses,
+    # half of q, k, v and the output each.
+    shard = 8 * 32 * 64 * 4
+    forward_bytes = {"ring": 2 * shard, "ulysses": 4 * shard // 2}
+    for case in cases:
+        assert case["params"]["world"] == 2 and len(case["ranks"]) == 2
+        if not case["params"]["backward"]:
+            expected = forward_bytes[case["params"]["strategy"]]
+            for rank in case["ranks"]:
+                assert expected <= rank["bytes_sent"] <= expected + 1024, case
+        assert set(case["results"]) == {"context_parallel", "single_process"}
+        assert all(entry["seconds_per_call"] > 0 for entry in case["results"].values())
+        assert all(rank["bytes_sent"] > 0 for rank in case["ranks"]), case
+        assert 0.0 <= case["hidden_communication_share"] <= 1.0
+        assert case["compute_only_seconds"] > 0 and case["communication_only_seconds"] > 0
+    assert "hidden = 1 - (step - compute-only) / communication-only" in result.stdout

@@ -2,6 +2,7 @@
 
     python -m mha_ext.bench --quick                      # every suite, small, under 2 minutes
     python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
+    python -m mha_ext.bench --suite context_parallel --world 2   # ring and ulysses on 2 ranks
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
 machine's roofline, measured side by side with each case), and writes results.json and one
@@ -18,7 +19,7 @@ import torch
 
 import mha_ext
 
-from . import report, roofline
+from . import context_parallel, report, roofline
 from .suites import DECODE_BATCH, MODELS, SUITES, build_cases, run_case
 
 QUICK = {
@@ -27,6 +28,8 @@ QUICK = {
     "context": [1024],
     "append_context": [512, 4096, 32768],
     "varlen_tokens": 4096,
+    "context_parallel_seq": [1024],
+    "context_parallel_head_dims": [64],
 }
 FULL = {
     "models": list(MODELS),
@@ -34,6 +37,8 @@ FULL = {
     "context": [1024, 4096],
     "append_context": [512, 2048, 8192, 32768],
     "varlen_tokens": 16384,
+    "context_parallel_seq": [2048, 4096, 8192],
+    "context_parallel_head_dims": [64, 128],
 }
 
 
@@ -92,6 +97,9 @@ def parse_args(argv):
         nargs="+",
         default=["float32", "bfloat16"],
         choices=["float32", "bfloat16", "float16"],
+    )
+    parser.add_argument(
+        "--world", type=int, default=2, help="ranks the context_parallel suite spawns (gloo, CPU)"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -154,6 +162,15 @@ def main(argv=None):
         progress.update(case.label)
         del case  # free the case's tensors before the next one allocates
     progress.close()
+    if "context_parallel" in args.suite:
+        print(f"context_parallel: spawning {args.world} ranks ...", flush=True)
+        results += context_parallel.run_suite(
+            args.world,
+            args.seq or sizes["context_parallel_seq"],
+            sizes["context_parallel_head_dims"],
+            dtypes,
+            repeats,
+        )
 
     for suite in args.suite:
         suite_results = [r for r in results if r["suite"] == suite]

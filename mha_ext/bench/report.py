@@ -16,12 +16,13 @@ SUITE_TITLES = {
     "variants": "each score feature against plain attention of the same shape, causal",
     "varlen": "packed documents, causal forward + backward (work: the documents' own FLOPs)",
     "integrations": "mha_ext through each interface against the direct call, causal",
+    "context_parallel": "context-parallel attention on spawned ranks against one process, causal",
 }
 # Suites whose tables show each contender's microseconds per call, not its throughput: the
 # fixed costs of a small call are what they measure.
 PER_CALL_SUITES = {"call_overhead", "integrations"}
 # Suites whose cases are not a line over one length: a table and no plot.
-TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen"}
+TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen", "context_parallel"}
 
 
 def _contenders(results: List[Dict]) -> List[str]:
@@ -37,6 +38,8 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
     """One suite's table: each contender's throughput (time per call in PER_CALL_SUITES),
     mha_ext's ratio to the baseline and its fraction of the roofline measured with the case
     (run_case)."""
+    if suite == "context_parallel":
+        return _context_parallel_table(results)
     contenders = _contenders(results)
     per_call = suite in PER_CALL_SUITES
     unit = "us per call" if per_call else results[0]["unit"]
@@ -73,6 +76,43 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         lines += _varlen_summary(results)
     if suite == "integrations":
         lines += _integrations_summary(results)
+    return "\n".join(lines)
+
+
+def _context_parallel_table(results: List[Dict]) -> str:
+    """Per case: step time on the ranks and alone, compute-only and communication-only times,
+    the share of communication hidden, and per rank the bytes sent and the peak memory
+    (the largest over ranks; the single process's alongside)."""
+    params = results[0]["params"]
+    label_width = max(len(r["label"]) for r in results) + 2
+    header = (
+        f"{'case':<{label_width}}{'ranks ms':>10}{'1 proc ms':>11}{'speedup':>9}{'compute ms':>12}"
+        f"{'comm ms':>9}{'hidden':>8}{'MB sent/rank':>14}{'peak MB/rank':>14}{'1 proc MB':>11}"
+    )
+    lines = [
+        f"{SUITE_TITLES['context_parallel']}: world {params['world']} (gloo), "
+        f"{params['threads_per_rank']} thread(s) per rank and for the single process, "
+        f"B{params['batch']} H{params['heads']}",
+        header,
+        "-" * len(header),
+    ]
+    for result in results:
+        ranks = result["results"]["context_parallel"]["seconds_per_call"]
+        alone = result["results"]["single_process"]["seconds_per_call"]
+        sent = max(r["bytes_sent"] for r in result["ranks"])
+        peak = max(r["peak_memory_bytes"] for r in result["ranks"])
+        lines.append(
+            f"{result['label']:<{label_width}}{ranks * 1e3:>10.2f}{alone * 1e3:>11.2f}"
+            f"{alone / ranks:>8.2f}x"
+            f"{result['compute_only_seconds'] * 1e3:>12.2f}"
+            f"{result['communication_only_seconds'] * 1e3:>9.2f}"
+            f"{100 * result['hidden_communication_share']:>7.0f}%{sent / 2**20:>14.2f}"
+            f"{peak / 2**20:>14.1f}{result['single_process_peak_memory_bytes'] / 2**20:>11.1f}"
+        )
+    lines.append(
+        "hidden = 1 - (step - compute-only) / communication-only; bytes counted in the "
+        "torch.distributed calls the step makes"
+    )
     return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ torch SDPA on a contiguous cache), cache_append (one token into the cache, again
 seed tutorial's torch.cat update) and call_overhead (the time of one small forward call,
 where fixed costs weigh as much as the arithmetic). Contenders: mha_ext, torch SDPA (on
 CUDA its flash, cuDNN and efficient backends separately) and the textbook "naive"
-attention the seed tutorial writes out, where its O(S^2) memory allows.
+attention the seed tutorial writes out, where its O(S^2) memory allows. The context_parallel
+suite (context_parallel.py) runs on spawned ranks instead of as Cases here.
 """
 
 import contextlib
@@ -43,6 +44,7 @@ SUITES = (
     "variants",
     "varlen",
     "integrations",
+    "context_parallel",
 )
 # The variants suite: each score feature of attention alone, against plain attention of the
 # same shape (the feature's cost). (label, attention keyword arguments given the heads)
@@ -881,6 +883,8 @@ def build_cases(
                                 _attention_integration_case(i, *s, t, b, device)
                             )
                         )
+        elif suite == "context_parallel":
+            continue  # runs on spawned ranks: context_parallel.run_suite, not a Case
         else:
             raise ValueError(f"mha_ext.bench: unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return factories
