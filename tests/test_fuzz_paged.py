@@ -93,6 +93,8 @@ def merged_reference(out_a, lse_a, out_b, lse_b):
 
 # Found by this test: a strided last dim (a transposed view) was read as if contiguous.
 @example(case=MergeCase(rows=(5,), head_dim=3, layouts=("transposed", "contiguous"), empty_b=(1,)))
+# Found by this test: the backward's spreads were taken against the fp16-rounded output.
+@example(case=MergeCase(rows=(), head_dim=15, dtype=torch.float16))
 @fuzz_settings(200)
 @given(case=merge_cases())
 def test_merge_matches_reference_forward_and_backward(case):
