@@ -6,6 +6,10 @@ Environment:
   CUDA_HOME             CUDA toolkit; else /usr/local/cuda when it holds nvcc and libcudart.
   TORCH_CUDA_ARCH_LIST  GPU architectures; with no GPU visible it defaults to "8.0;9.0".
   MHA_EXT_HEAD_DIMS     head dims with tensor-core attention kernels (default "64,128").
+  MHA_EXT_SANITIZE      sanitizers for a checking build, a comma list of address, undefined
+                        (e.g. "address,undefined"): CPU only, -O1 -g, and the first error
+                        aborts. Python is not instrumented: run it with the ASan runtime
+                        LD_PRELOADed (.ci/run's sanitizer step shows how).
   MAX_JOBS              parallel compile jobs (ninja).
 """
 
@@ -46,11 +50,35 @@ def find_cuda_home():
     return None
 
 
+KNOWN_SANITIZERS = ("address", "undefined")
+
+
+def sanitizers():
+    """The sanitizers MHA_EXT_SANITIZE asks for, in a fixed order; empty when unset."""
+    setting = os.environ.get("MHA_EXT_SANITIZE", "")
+    chosen = {name.strip() for name in setting.split(",") if name.strip()}
+    unknown = chosen - set(KNOWN_SANITIZERS)
+    if unknown:
+        sys.exit(
+            f"setup.py: MHA_EXT_SANITIZE takes a comma list of {', '.join(KNOWN_SANITIZERS)}, "
+            f"got {setting!r}"
+        )
+    return [name for name in KNOWN_SANITIZERS if name in chosen]
+
+
+SANITIZERS = sanitizers()
+
+
 def want_cuda():
     mode = os.environ.get("MHA_EXT_CUDA", "")
     if mode not in ("", "0", "1"):
         sys.exit(f"setup.py: MHA_EXT_CUDA must be 0, 1 or unset, got {mode!r}")
     if mode == "0":
+        return False
+    if SANITIZERS:
+        if mode == "1":
+            sys.exit("setup.py: MHA_EXT_SANITIZE builds the CPU kernels only; unset MHA_EXT_CUDA")
+        print("setup.py: building CPU only: MHA_EXT_SANITIZE is set")
         return False
     cuda_home = find_cuda_home()
     problem = None
@@ -118,13 +146,21 @@ def extension():
     torch_version = torch.__version__.split("+")[0]
     cxx_flags = ["-O3", "-fopenmp", f"-DMHA_EXT_TORCH_VERSION={torch_version}"]
     include_dirs = [str(ROOT / "csrc" / "include"), str(ROOT / "csrc")]
+    link_flags = ["-fopenmp"]
+    if SANITIZERS:
+        # -O1 keeps the reports' stacks close to the source (and builds faster than -O3);
+        # every error aborts, so a test run cannot pass with a report in its log.
+        sanitize = [f"-fsanitize={','.join(SANITIZERS)}", "-fno-sanitize-recover=all"]
+        cxx_flags = [flag if flag != "-O3" else "-O1" for flag in cxx_flags]
+        cxx_flags += sanitize + ["-fno-omit-frame-pointer", "-g"]
+        link_flags += sanitize
     if not WITH_CUDA:
         return cpp_extension.CppExtension(
             "mha_ext._C",
             cpu_sources(),
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_flags,
         )
     archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").strip(";").replace(";", ",")
     cxx_flags += ["-DMHA_EXT_WITH_CUDA", f"-DMHA_EXT_CUDA_ARCHS={archs}"]

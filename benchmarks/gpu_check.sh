@@ -3,8 +3,11 @@
 # with CUDA (pip install --no-build-isolation .) and a visible GPU; prints one summary.
 #   1. every test's CUDA variant plus tests/test_cuda.py, then the accuracy tests again
 #      with MHA_EXT_CUDA_KERNELS=simt (the generic kernels instead of the tensor cores);
-#   2. the benchmark suite on the issue's target shapes against torch SDPA's flash, cuDNN
+#   2. compute-sanitizer's memcheck, racecheck and synccheck over a small CUDA subset
+#      (attention forward and backward of both kernel families, paged attention, append);
+#   3. the benchmark suite on the issue's target shapes against torch SDPA's flash, cuDNN
 #      and efficient backends (bf16, D 128, S 4096; decode batch 64 at 4k; append batch 256).
+# Step 2 has not yet run on a GPU: its time is a guess (each tool slows kernels 10-100x).
 # Usage: bash benchmarks/gpu_check.sh [output folder, default benchmarks/results/gpu]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +32,20 @@ step() {  # step NAME COMMAND...: runs it, keeps the log, records pass/fail
 step tests_cuda bash -c "cd tests && python -m pytest -q -p no:cacheprovider -k cuda ."
 step tests_cuda_simt bash -c "cd tests && MHA_EXT_CUDA_KERNELS=simt python -m pytest -q -p no:cacheprovider -k cuda \
   test_attention.py test_dropout.py test_sdpa.py test_modules.py"
+# memcheck: out-of-bounds and misaligned accesses, with torch's caching allocator off so that
+# every tensor is an allocation of its own (a read past a tensor inside a cached block would
+# go unseen); racecheck: shared-memory hazards between a block's threads; synccheck: barriers
+# that not all threads of a block reach. --error-exitcode makes any report fail the step.
+sanitizer=compute-sanitizer
+command -v "$sanitizer" > /dev/null || sanitizer="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
+sanitizer_subset="cuda and ((test_both_kernel_families_match_the_reference and causal_bottom_right \
+  and bfloat16) or (test_paged_attention_matches_reference and gqa) \
+  or (test_append_writes_exactly_the_addressed_slots and bfloat16))"
+for tool in memcheck racecheck synccheck; do
+  step "sanitizer_$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 bash -c "cd tests && \
+    $sanitizer --tool $tool --error-exitcode 1 --target-processes all \
+    python -m pytest -q -p no:cacheprovider -k '$sanitizer_subset' test_cuda.py test_paged.py"
+done
 bench="python -m mha_ext.bench --device cuda --repeats 10 --no-plots"
 step bench_attention $bench --suite forward forward_backward --models llama2-7b --seq 4096 --dtype bfloat16 \
   --out "$out/attention"

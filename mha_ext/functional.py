@@ -113,7 +113,11 @@ def _attention_forward(
             f"{fn}: alibi_slopes requires grad, but the slopes get no gradient "
             f"(as in FlashAttention)"
         )
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if scale is None:
+        # With head_dim 0 every score is an empty dot product, 0 whatever the scale (the
+        # default 1/sqrt(0) would be inf): each row averages the values it sees.
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] else 1.0
+    scale = float(scale)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     dropout_seed = draw_dropout_seed(q.device) if dropout_p > 0 else None

@@ -46,7 +46,8 @@ def attention_reference(
     group = heads // kv_heads
     k = k.repeat_interleave(group, dim=1)  # (B, H, Sk, D)
     v = v.repeat_interleave(group, dim=1)  # (B, H, Sk, Dv)
-    scale = head_dim**-0.5 if scale is None else scale
+    if scale is None:
+        scale = head_dim**-0.5 if head_dim else 1.0  # head_dim 0: every score is 0 anyway
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, Sq, Sk)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
@@ -177,7 +178,8 @@ def paged_attention_reference(
     total_q, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
+    if scale is None:
+        scale = head_dim**-0.5 if head_dim else 1.0  # head_dim 0: every score is 0 anyway
     left = None if window is None or window[0] in (None, -1) else window[0]
     out = q.new_zeros(total_q, heads, v_cache.shape[-1])
     lse = q.new_full((total_q, heads), float("-inf"))

@@ -1,8 +1,8 @@
 #include "cpu/backend.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/accumulate.h>
+#include "cpu/parallel.h"
 
 #include <array>
 
@@ -102,7 +102,7 @@ void Backend::run(const AttentionBackwardParams& params, const AttentionBackward
 
 void Backend::run(const DropoutMaskParams& p) {
   const int64_t rows = p.batch * p.num_heads * p.seq_q;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (p.num_heads * p.seq_q), h = row / p.seq_q % p.num_heads;
       const int64_t i = row % p.seq_q;

@@ -1,5 +1,5 @@
 // The CPU append kernel (see kernels.h).
-#include <ATen/Parallel.h>
+#include "cpu/parallel.h"
 
 #include <cstring>
 
@@ -16,7 +16,7 @@ void paged_kv_append(const PagedAppendParams& p) {
   char* k_cache = static_cast<char*>(p.k_cache);
   char* v_cache = static_cast<char*>(p.v_cache);
   const int64_t bytes = p.element_size;
-  at::parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (p.slot_mapping[t] < 0) continue;  // padding token
       const CacheSlot slot = slot_location(p.slot_mapping[t], p.block_size);

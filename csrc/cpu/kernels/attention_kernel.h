@@ -19,7 +19,7 @@
 // softmax in fp32; other dtypes and CPUs use the fp32 tile GEMMs above.
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
-#include <ATen/Parallel.h>
+#include "cpu/parallel.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
@@ -262,7 +262,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
                                kQueryBlock * kKeyBlock + sub_rows * ld_dv + 2 * sub_rows +
                                kKeyBlock * p.head_dim;
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kQueryBlock, ld_d]
     acc_t* kt_tile = q_tiles + sub_rows * ld_d;            // [head_dim, kKeyBlock]
     acc_t* v_tile = kt_tile + p.head_dim * kKeyBlock;      // [kKeyBlock, ld_dv]
@@ -403,7 +403,7 @@ void softmax_grad_row(acc_t* ds, const acc_t* p_row, int64_t cols, acc_t row_del
 template <typename scalar_t, typename acc_t>
 void compute_delta(const AttentionBackwardParams& p) {
   using Vec = at::vec::Vectorized<acc_t>;
-  at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
       const scalar_t* out = static_cast<const scalar_t*>(p.out) + batch * p.out_strides.batch +
@@ -444,7 +444,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                                kKeyBlock * ld_d + kKeyBlock * ld_dv + kKeyBlock * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kQueryBlock, ld_d]
     acc_t* do_tile = q_tile + kQueryBlock * ld_d;         // [kQueryBlock, ld_dv]
     acc_t* k_tile = do_tile + kQueryBlock * ld_dv;        // [kKeyBlock, ld_d]
@@ -541,7 +541,7 @@ void finish_grad_q(const AttentionBackwardParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   using Vec = at::vec::Vectorized<acc_t>;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  at::parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t batch = bh / p.num_heads, head = bh % p.num_heads;
       scalar_t* grad_q = static_cast<scalar_t*>(p.grad_q) + batch * p.grad_q_strides.batch +
@@ -662,7 +662,7 @@ inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& l
 // Fills the kv_pairs workspace with every (batch, kv head, key tile)'s pack_kv_tile.
 inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& layout) {
   const int64_t key_tiles = layout.key_tiles;
-  at::parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t batch = index / (p.num_kv_heads * key_tiles),
                     kv_head = index / key_tiles % p.num_kv_heads;
@@ -697,7 +697,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
                                sub_rows + sub_rows * kSumLanes + kQueryBlock * key_tile +
                                (prepacked ? 0 : layout.tile_words);
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* s_tiles = thread_scratch<float>(scratch_size);  // [sub_rows, key_tile]
     scalar_t* p_tiles =
         reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
@@ -913,7 +913,7 @@ inline void transpose_q_grad_out(const AttentionBackwardParams& p, const Attenti
   using scalar_t = c10::BFloat16;
   const int64_t q_blocks = ceil_div(p.seq_q, kQueryBlock), dims = p.head_dim + p.head_dim_v;
   const int64_t ld = transposed_row_length(p.seq_q);
-  at::parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t bh = index / q_blocks, batch = bh / p.num_heads, head = bh % p.num_heads;
       const int64_t row0 = index % q_blocks * kQueryBlock,
@@ -968,7 +968,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
                                4 * chunk_tile + 3 * chunk_tile / 2 + (d + dv) * kKeyBlock +
                                kKeyBlock * std::max(d, dv);
 
-  at::parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     uint32_t* kt_pairs =
         reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kKeyBlock]
     uint32_t* vt_pairs = kt_pairs + d / 2 * kKeyBlock;                     // [dv / 2, kKeyBlock]

@@ -54,3 +54,4 @@
 
 #include "blocking.h"
 #include "cpu/isa.h"
+#include "cpu/parallel.h"

@@ -22,7 +22,7 @@
 // each ISA class is PagedKernelTraits.
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
-#include <ATen/Parallel.h>
+#include "cpu/parallel.h"
 
 #include <type_traits>
 #include <utility>
@@ -1167,7 +1167,7 @@ void merge_split_outputs(const PagedAttentionParams& p) {
   const acc_t* partial_out = static_cast<const acc_t*>(p.partial_out);  // [splits, rows, dim_v]
   const acc_t* partial_lse = static_cast<const acc_t*>(p.partial_lse);  // [splits, rows]
   const int64_t rows = p.total_q * p.num_heads, dim_v = p.head_dim_v;
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     acc_t* merged = thread_scratch<acc_t>(dim_v);
     for (int64_t index = begin; index < end; ++index) {
       acc_t lse = partial_lse[index];
@@ -1209,7 +1209,7 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
 #else
   constexpr bool bf16_dots = false;
 #endif
-  at::parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
     for (int64_t index = begin; index < end; ++index) {
       const PagedTask task = plan_task<scalar_t>(p, plan, index);
@@ -1225,7 +1225,7 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
 template <typename scalar_t>
 void merge_states_kernel(const MergeStatesParams& p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
-  at::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const MergedState<acc_t> state = merge_softmax_states(
           static_cast<const acc_t*>(p.lse_a)[row], static_cast<const acc_t*>(p.lse_b)[row]);
