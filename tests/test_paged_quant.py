@@ -349,7 +349,7 @@ def test_quantized_ops_opcheck():
 
 TESTS = Path(__file__).resolve().parent
 # Every direct-path row count and the gathered path, all features on, under each ISA build.
-FORCED_ISA_SELECTION = "every_direct_row_count"
+FORCED_ISA_SELECTION = "every_direct_row_count or append_writes_exactly"
 BUILDS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
 
 
