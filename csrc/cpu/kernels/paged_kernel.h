@@ -247,17 +247,6 @@ struct PagedKernelTraits {
   static constexpr int value_vectors(int rows) {
     return rows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
   }
-
-  // Whether the direct path converts a float8_e4m3fn tile's key rows (before its score pass)
-  // and value rows (before its value pass) to fp16 units in scratch (stage_float8_as_half),
-  // for tiles of 2 or more rows, whose value passes request the next keys. In the passes an
-  // element then costs one VCVTPH2PS from memory (a uop of the FMA ports) instead of five
-  // (widen, shift, mask, and VCVTPH2PS from a register, two); staging costs three per 32.
-  // The passes convert each element once either way; the units, and so the results, are the
-  // same bits. AVX-512 class; on AVX2 not measured.
-  // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py [--in-cache --context 256]
-  static constexpr bool kStagesFloat8AsHalf =
-      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
 };
 
 // 8-bit caches (CacheFormat): the kernels read their elements as fp32 "units" and fold the
@@ -320,35 +309,6 @@ C10_ALWAYS_INLINE at::vec::Vectorized<float> load_quantized_units(const cache_t*
   float units[kWidth];
   for (int64_t i = 0; i < kWidth; ++i) units[i] = cached_unit<float>(src[i]);
   return at::vec::Vectorized<float>::loadu(units);
-#endif
-}
-
-// rows[i][0, dim) for i < count as the fp16 units that load_quantized_units converts from, in
-// staging [count, ld] (PagedKernelTraits::kStagesFloat8AsHalf): the same bits.
-inline void stage_float8_rows_as_half(const c10::Float8_e4m3fn* const* rows, int64_t count,
-                                      int64_t dim, c10::Half* staging, int64_t ld) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i kept_bits = _mm512_set1_epi16(static_cast<int16_t>(0xBF80));
-  auto halves = [&](__m256i bytes) C10_ALWAYS_INLINE_ATTRIBUTE {
-    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7), kept_bits);
-  };
-  for (int64_t i = 0; i < count; ++i) {
-    const c10::Float8_e4m3fn* row = rows[i];
-    c10::Half* out = staging + i * ld;
-    int64_t d = 0;
-    for (; d + 32 <= dim; d += 32) {
-      _mm512_storeu_si512(out + d,
-                          halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d))));
-    }
-    if (d < dim) {
-      const auto lanes = static_cast<__mmask32>((uint64_t(1) << (dim - d)) - 1);
-      _mm512_mask_storeu_epi16(out + d, lanes, halves(_mm256_maskz_loadu_epi8(lanes, row + d)));
-    }
-  }
-#else
-  for (int64_t i = 0; i < count; ++i) {
-    for (int64_t d = 0; d < dim; ++d) staging[i * ld + d] = cached_unit<float>(rows[i][d]);
-  }
 #endif
 }
 
@@ -455,15 +415,6 @@ struct TileRows {
   }
 };
 
-// A tile's cached rows [0, count) as the fp16 units that load_quantized_units converts from,
-// in staging [count, dim], listed in `staged` (PagedKernelTraits::kStagesFloat8AsHalf).
-inline void stage_float8_as_half(const TileRows<c10::Float8_e4m3fn>& tile, int64_t count,
-                                 int64_t dim, c10::Half* staging, TileRows<c10::Half>& staged) {
-  for (int64_t i = 0; i < count; ++i) staged.rows[i] = staging + i * dim;
-  staged.listed = count;
-  stage_float8_rows_as_half(tile.rows, count, dim, staging, dim);
-}
-
 // Rows [0, count) of a tile copied like load_rows into dst [count, ld], an 8-bit cache's in
 // units (kCacheUnit).
 template <typename scalar_t, typename acc_t>
@@ -569,10 +520,10 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
 // the key being scored, or that and the key row kPrefetchRows ahead (dim elements).
 enum class ScoreLoopRequests { kNone, kValue, kKeyAheadAndValue };
 
-template <typename key_t, typename value_t = key_t>
+template <typename scalar_t>
 struct RowRequests {
-  const key_t* key_ahead;
-  const value_t* value;
+  const scalar_t* key_ahead;
+  const scalar_t* value;
   int64_t value_dim;
 };
 
@@ -629,10 +580,10 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
 // scores[r * ld_s + j] = q[r] . keys[j] for r < kRows, j < kKeys: each vector of a cached key
 // is loaded and converted once for all rows. kRequests: which of `requests`' rows it requests.
 template <int kRows, int kKeys, ScoreLoopRequests kRequests, typename q_t, typename scalar_t,
-          typename acc_t, typename value_t>
+          typename acc_t>
 C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* const* keys,
                                   int64_t dim, acc_t scale, acc_t* scores, int64_t ld_s,
-                                  const RowRequests<scalar_t, value_t>& requests) {
+                                  const RowRequests<scalar_t>& requests) {
   using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
@@ -757,9 +708,9 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 // cache. `score` is inlined by force: in the extension GCC left it out of line for 3 to 8 rows,
 // a call per key (it did inline it in a standalone build of the kernel), and 64q/8kv through the
 // op read 7.1-7.6 GB/s so against 9.8-11.0 inlined.
-template <int kRows, typename q_t, typename scalar_t, typename value_t, typename acc_t>
+template <int kRows, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
-                const value_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim,
+                const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim,
                 int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
   using Traits = PagedKernelTraits<scalar_t>;
   auto score = [&](auto kKeys, int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -768,7 +719,7 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
     constexpr ScoreLoopRequests kRequests = !kInLoop     ? ScoreLoopRequests::kNone
                                             : kKeysAhead ? ScoreLoopRequests::kKeyAheadAndValue
                                                          : ScoreLoopRequests::kValue;
-    RowRequests<scalar_t, value_t> requests{};
+    RowRequests<scalar_t> requests{};
     if constexpr (kInLoop) {
       requests = {keys.row_ahead(c), value_rows[c], dim_v};
     } else {
@@ -793,11 +744,11 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
 // kept a compare and branch per load in the loop over keys). kRequestAhead: at key c, bytes
 // `share` of ahead's row c.
 template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t,
-          typename acc_t, typename request_t>
+          typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
                                               const scalar_t* const* value_rows, int64_t cols,
                                               int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
-                                              const SweepRequests<request_t>& ahead,
+                                              const SweepRequests<scalar_t>& ahead,
                                               std::pair<int64_t, int64_t> share) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t kWidth = Vec::size();
@@ -847,10 +798,10 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
 // place (score_tile requested them), a group of rows and a slice of O at a time. Where the
 // value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
 // requested spread over the pass.
-template <int kRows, typename scalar_t, typename acc_t, typename request_t>
+template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
                        int64_t cols, int64_t dim, acc_t* o, int64_t ld_o,
-                       const SweepRequests<request_t>& next_keys) {
+                       const SweepRequests<scalar_t>& next_keys) {
   using Traits = PagedKernelTraits<scalar_t>;
   constexpr int kGroupRows = Traits::value_group_rows(kRows);
   constexpr int kVectors = Traits::value_vectors(kGroupRows);
@@ -1217,19 +1168,9 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
                 const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
   const int64_t rows = task.rows, cols = item.cols, ld_d = scratch.plan.ld_d;
   acc_t* s_tile = scratch.s_tile;  // [rows, kKeyBlock]
-  using Traits = PagedKernelTraits<scalar_t>;
   if (task.direct) {
     // S = Q K^T from the cached key rows: no K^T tile to build.
     dispatch_direct_rows(rows, [&](auto kRows) {
-      if constexpr (Traits::kStagesFloat8AsHalf && Traits::value_pass_requests_keys(kRows)) {
-        // the key rows as fp16 units, in the gathered path's staging tile
-        TileRows<c10::Half> staged;
-        stage_float8_as_half(schedule.k_rows, cols, p.head_dim,
-                             reinterpret_cast<c10::Half*>(scratch.staging), staged);
-        return score_tile<kRows>(state.q, ld_d, acc_t(1), staged, schedule.value_requests,
-                                 schedule.values_requested, cols, p.head_dim, p.head_dim_v, s_tile,
-                                 kKeyBlock);
-      }
       if constexpr (PagedKernelTraits<scalar_t>::kScoreByBf16Dots) {
         if (bf16_dots) {
           return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), schedule.k_rows,
@@ -1274,18 +1215,9 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
                 const SweepRequests<scalar_t>& next_keys,
                 const PagedScratch<scalar_t, acc_t>& scratch) {
   const int64_t cols = item.cols, ld_dv = scratch.plan.ld_dv;
-  using Traits = PagedKernelTraits<scalar_t>;
   if (task.direct) {
     // O += P V, the cached value rows read in place.
     dispatch_direct_rows(task.rows, [&](auto kRows) {
-      if constexpr (Traits::kStagesFloat8AsHalf && Traits::value_pass_requests_keys(kRows)) {
-        // the value rows as fp16 units, in the gathered path's V tile
-        TileRows<c10::Half> staged;
-        stage_float8_as_half(values, cols, p.head_dim_v,
-                             reinterpret_cast<c10::Half*>(scratch.v_tile), staged);
-        return accumulate_values<kRows>(scratch.s_tile, kKeyBlock, staged.rows, cols, p.head_dim_v,
-                                        state.o, ld_dv, next_keys);
-      }
       accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v, state.o,
                                ld_dv, next_keys);
     });
