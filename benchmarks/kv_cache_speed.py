@@ -4,8 +4,9 @@
 Decode: one query per sequence, paged_attention over a cache of `context` tokens per sequence;
 each step reads the next layer's cache, the layers together at least twice the CPU's largest
 cache (so each step reads from memory; --context 256 --in-cache keeps one layer, read from
-cache). Append: one decode step's new key and value rows (one token per sequence, bf16) into
-the cache, quantized for the 8-bit ones. On a shared machine rates drift between runs, so the
+cache). Append: new key and value rows (bf16) into the cache, quantized for the 8-bit ones,
+--append-tokens per sequence per call (1, the default: a decode step, whose call overhead
+counts; 16 shows the quantizers' own cost). On a shared machine rates drift between runs, so the
 formats run in alternating rounds, with the streaming read, and the report gives medians of
 the rounds and the ratios to bf16 within each round.
 
