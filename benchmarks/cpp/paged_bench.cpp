@@ -169,7 +169,7 @@ void paged_append(benchmark::State& state) {
       key, value, k_cache, v_cache, slot, /*k_scales=*/std::nullopt,
       /*v_scales=*/std::nullopt, /*k_scale=*/1.0, /*v_scale=*/1.0, cpu::Backend::kIndicesOnHost);
   for (auto _ : state) {
-    cpu::paged_kv_append(params);
+    MHA_EXT_RUN_CPU_KERNEL(paged_kv_append, params);  // the build this CPU runs
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * 2 * key.numel() *
