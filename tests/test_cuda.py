@@ -121,6 +121,55 @@ def test_decode_step_captured_in_a_cuda_graph():
         assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_decode_step_captured_in_a_cuda_graph(fmt):
+    # An 8-bit cache's append (the int8 scales written too) and attention replay in a graph.
+    from test_paged_quant import bits, build_quantized
+
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    _, k_cache, v_cache, (tables, _, cu), scales = build_quantized(
+        fmt, [26, 60, 5], [1, 1, 1], heads, kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    generator = seeded_generator(12)
+    static_q = torch.randn(3, heads, head_dim, generator=generator).bfloat16()
+    static_key = torch.randn(3, kv_heads, head_dim, generator=generator).bfloat16()
+    static_value = torch.randn(3, kv_heads, head_dim, generator=generator).bfloat16()
+    static_lens = torch.tensor([27, 61, 6], dtype=torch.int32)
+    static_slots = torch.stack(
+        [
+            mha_ext.slot_mapping_for(tables[b], static_lens[b : b + 1].long() - 1, block_size)[0]
+            for b in range(3)
+        ]
+    )
+
+    def step(k_cache, v_cache, scales):
+        mha_ext.paged_kv_append(static_key, static_value, k_cache, v_cache, static_slots, **scales)
+        return mha_ext.paged_attention(
+            static_q, k_cache, v_cache, tables, static_lens, cu, **scales
+        )
+
+    def copies():
+        return (
+            k_cache.clone(),
+            v_cache.clone(),
+            {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in scales.items()},
+        )
+
+    eager = copies()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        step(*copies())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(k_cache, v_cache, scales)
+    graph.replay()
+    expected = step(*eager)
+    torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+    assert torch.equal(bits(k_cache), bits(eager[0])) and torch.equal(bits(v_cache), bits(eager[1]))
+
+
 def test_compile_reduce_overhead_matches_eager():
     torch.manual_seed(0)
     layer = mha_ext.MultiHeadAttention(256, 8, dropout=0.0, num_kv_heads=2).eval()

@@ -335,6 +335,50 @@ def test_paged_mqa_groups_wider_than_a_row_tile(emulated, block_size):
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_paged_ops_match_the_cpu(emulated, fmt):
+    # The CUDA append writes the CPU's bits (int8 rows and scales, e4m3fn rows), and attention
+    # over the 8-bit cache (GQA 8/2, decode and a prefill chunk, whole keys and 2 splits,
+    # all score features) matches the CPU op.
+    from test_paged_quant import bits, build_quantized
+
+    from test_paged import feature_arguments
+
+    q, k_cache, v_cache, index, scales = build_quantized(
+        fmt, [9, 600], [1, 20], 8, 2, 32, 16, torch.bfloat16
+    )
+    key, value = torch.randn(5, 2, 32).bfloat16() * 3, torch.randn(5, 2, 32).bfloat16()
+    key[0, 0] = 0.0  # an all-zero row
+    slots = torch.tensor([3, -1, 10**6, 17, 40])
+    emulated_caches = [t.clone() for t in (k_cache, v_cache)]
+    emulated_scales = {
+        n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in scales.items()
+    }
+    emulated.paged_kv_append(key, value, *emulated_caches, slots, **emulated_scales)
+    keep = torch.tensor([3, -1, -1, 17, 40])  # the out-of-range slot is skipped
+    torch.ops.mha_ext.paged_kv_append(key, value, k_cache, v_cache, keep, **scales)
+    assert torch.equal(bits(emulated_caches[0]), bits(k_cache))
+    assert torch.equal(bits(emulated_caches[1]), bits(v_cache))
+    for name, t in scales.items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(bits(emulated_scales[name]), bits(t)), name
+
+    features = feature_arguments("all", 8, 2)
+    options = (53, 1.5, features["alibi_slopes"], features["sinks"])
+    scale_options = (scales.get("k_scales"), scales.get("v_scales"))
+    scale_options += (scales.get("k_scale", 1.0), scales.get("v_scale", 1.0))
+    for num_sms in (1, 64):
+        emulated.set_multiprocessor_count(num_sms)
+        out, lse = emulated.paged_attention(
+            q, k_cache, v_cache, *index, 0.2, *options, *scale_options
+        )
+        expected, expected_lse = torch.ops.mha_ext.paged_attention(
+            q, k_cache, v_cache, *index, 0.2, *options, *scale_options
+        )
+        torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
 # Issue 29's features against featured_attention in float64. GQA (4 query heads on 2 kv
 # heads) and a two-sided bottom-right window throughout; head dim 64 takes the tensor-core
 # kernels under "auto" for fp16/bf16. The packed layout has a sequence without queries

@@ -115,7 +115,10 @@ void Backend::run(const DropoutMaskParams& p) {
 
 Backend::NoPlan Backend::plan(PagedAppendParams&, const at::Tensor&) { return {}; }
 
-void Backend::run(const PagedAppendParams& params, NoPlan) { paged_kv_append(params); }
+// The slots were validated before any row is written (paged_kv_append's contract).
+void Backend::run(const PagedAppendParams& params, NoPlan) {
+  MHA_EXT_RUN_CPU_KERNEL(paged_kv_append, params);
+}
 
 PagedTaskPlan Backend::plan(PagedAttentionParams& params, const at::Tensor&) {
   const PagedTaskPlan tasks = plan_paged_tasks(params, at::get_num_threads());

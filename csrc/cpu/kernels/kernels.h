@@ -1,8 +1,8 @@
 #pragma once
 // Entry points of the CPU kernels, one set per compiled ISA, for the dispatchers (the ISA
 // translation units kernels_<isa>.cpp define them without including this file). Each set is
-// the same source (attention_kernel.h, paged_kernel.h) compiled with that ISA's instructions
-// enabled; cpu/isa.h picks one at run time. Non-x86 builds compile only DEFAULT.
+// the same source (attention_kernel.h, paged_kernel.h, append_kernel.h) compiled with that ISA's
+// instructions enabled; cpu/isa.h picks one at run time. Non-x86 builds compile only DEFAULT.
 #include "blocking.h"
 #include "cpu/isa.h"
 #include "mha_ext/attention_params.h"
@@ -18,6 +18,7 @@ namespace mha_ext::cpu {
                           const AttentionWorkspaces& workspaces);                      \
   void paged_attention(const PagedAttentionParams& params, const PagedTaskPlan& plan); \
   void merge_attention_states(const MergeStatesParams& params);                        \
+  void paged_kv_append(const PagedAppendParams& params);                               \
   }
 
 MHA_EXT_DECLARE_CPU_KERNELS(DEFAULT)
@@ -27,10 +28,6 @@ MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
 #endif
 
 #undef MHA_EXT_DECLARE_CPU_KERNELS
-
-// Writes key/value rows into their slots; the slots must have been validated. A copy, so one
-// portable build serves every CPU (kernels/append.cpp).
-void paged_kv_append(const PagedAppendParams& params);
 
 // Runs the build of kernel `name` that cpu/isa.h chose for this CPU, with the kernel's
 // arguments. Both AVX-512 levels run

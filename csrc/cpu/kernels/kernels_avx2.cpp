@@ -30,6 +30,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
+#include "append_kernel.h"
 #include "attention_kernel.h"
 #include "paged_kernel.h"
 #if defined(__clang__)

@@ -43,6 +43,7 @@
 #endif
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#include "append_kernel.h"
 #include "attention_kernel.h"
 #include "paged_kernel.h"
 #if defined(__clang__)

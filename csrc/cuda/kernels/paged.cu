@@ -12,6 +12,7 @@
 #include "cuda/kernels/launch_helpers.h"
 #include "cuda/kernels/launchers.h"
 #include "cuda/kernels/simt_rows.cuh"
+#include "mha_ext/float8.h"
 #include "mha_ext/paged_cache.h"
 #include "mha_ext/score_mods.h"
 
@@ -49,6 +50,67 @@ __global__ void paged_kv_append_kernel(PagedAppendParams p) {
   }
 }
 
+// An 8-bit cache's rows quantized as they are written (CacheFormat, paged_params.h), one
+// warp per (token, kv head) key or value row: the int8 row's absmax reduced across the warp
+// first. The same arithmetic as the CPU append (true fp32 division, ties to even), so both
+// write the same bits.
+template <typename input_t>
+__global__ void paged_kv_append_quantized(PagedAppendParams p) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t rows = p.num_tokens * p.num_kv_heads * 2;  // key, then value, per head
+  const int64_t capacity = p.num_blocks * p.block_size;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarpSize);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + warp; row < rows;
+       row += warps) {
+    const int64_t token = row / (2 * p.num_kv_heads), head = row / 2 % p.num_kv_heads;
+    const bool is_key = row % 2 == 0;
+    const int64_t slot = p.slot_mapping[token];
+    if (slot < 0 || slot >= capacity) continue;  // the whole warp skips: slot is per row
+    const CacheSlot location = slot_location(slot, p.block_size);
+    const TokenStrides& src_strides = is_key ? p.key_strides : p.value_strides;
+    const QuantScales& scales = is_key ? p.k_scales : p.v_scales;
+    const int64_t dim = is_key ? p.head_dim : p.head_dim_v;
+    const input_t* src = static_cast<const input_t*>(is_key ? p.key : p.value) +
+                         token * src_strides.token + head * src_strides.head;
+    uint8_t* dst = static_cast<uint8_t*>(is_key ? p.k_cache : p.v_cache) +
+                   cache_row_offset(is_key ? p.k_cache_strides : p.v_cache_strides, location, head);
+    if (p.format == CacheFormat::kInt8) {
+      float absmax = 0.f;
+      for (int64_t d = lane; d < dim; d += kWarpSize) absmax = fmaxf(absmax, fabsf(widen(src[d])));
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+        absmax = fmaxf(absmax, __shfl_xor_sync(0xFFFFFFFFu, absmax, offset));
+      const float scale = absmax / 127.f;
+      for (int64_t d = lane; d < dim; d += kWarpSize) {
+        const float stored =
+            scale == 0.f ? 0.f : fminf(fmaxf(rintf(widen(src[d]) / scale), -127.f), 127.f);
+        dst[d] = static_cast<uint8_t>(static_cast<int8_t>(stored));
+      }
+      if (lane == 0) scales.per_row[cache_row_offset(scales.strides, location, head)] = scale;
+    } else {
+      for (int64_t d = lane; d < dim; d += kWarpSize) {
+        const float y = widen(src[d]) / scales.per_tensor;
+        dst[d] = float_to_e4m3fn(y != y ? y : fminf(fmaxf(y, -448.f), 448.f));
+      }
+    }
+  }
+}
+
+// An element of a cache in the accumulation type: an 8-bit one in units whose row scale and
+// per-tensor scale the tile loads apply.
+template <typename acc_t, typename cache_t>
+__device__ __forceinline__ acc_t cached_value(cache_t x) {
+  return static_cast<acc_t>(widen(x));
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t cached_value(int8_t x) {
+  return static_cast<acc_t>(x);
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t cached_value(Float8E4M3 x) {
+  return static_cast<acc_t>(e4m3fn_to_float(x.bits));
+}
+
 // The rows a paged-attention block works on: rows of the sequence's queries x the kv head's
 // group of query heads, query-major, in tiles of kSimtRows (a whole GQA group of up to 16
 // heads shares every K/V tile).
@@ -68,6 +130,18 @@ __device__ __forceinline__ int64_t cached_row(const PagedAttentionParams& p,
   return cache_row_offset(strides, location, kv_head);
 }
 
+// What an element of cached token `position` of kv head `kv_head` is multiplied by to give
+// its value: the row's int8 scale times the per-tensor scale (1 and 1 for a plain cache).
+// The block must be inside the cache (cached_row >= 0).
+__device__ __forceinline__ float cached_row_scale(const PagedAttentionParams& p,
+                                                  const int32_t* block_table,
+                                                  const QuantScales& scales, int64_t kv_head,
+                                                  int64_t position) {
+  if (scales.per_row == nullptr) return scales.per_tensor;
+  const CacheSlot location = position_location(block_table, position, p.block_size);
+  return scales.per_row[cache_row_offset(scales.strides, location, kv_head)] * scales.per_tensor;
+}
+
 // Joins a sink (a logit with no value) to row i's softmax as one more key whose value is 0:
 // lse = log(e^sink + sum e^s), out = sum e^s v / (e^sink + sum e^s). A row that saw no key
 // finishes with output 0 and lse = sink.
@@ -82,7 +156,9 @@ __device__ void add_sink(SimtRows<acc_t, kDimChunks>& state, int i, acc_t sink) 
   for (int c = 0; c < kDimChunks; ++c) state.acc[i][c] *= rescale;
 }
 
-template <typename scalar_t, int kDimChunks>
+// q and out of scalar_t, the caches of cache_t (scalar_t, int8_t or Float8E4M3: tiles are
+// dequantized as they are staged in shared memory).
+template <typename scalar_t, typename cache_t, int kDimChunks>
 __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttentionParams p) {
   using acc_t = typename AccumulateType<scalar_t>::type;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -104,8 +180,8 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
   const int64_t seq_len =
       min(static_cast<int64_t>(p.seq_lens[seq]), p.max_blocks_per_seq * p.block_size);
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
-  const scalar_t* k_cache = static_cast<const scalar_t*>(p.k_cache);
-  const scalar_t* v_cache = static_cast<const scalar_t*>(p.v_cache);
+  const cache_t* k_cache = static_cast<const cache_t*>(p.k_cache);
+  const cache_t* v_cache = static_cast<const cache_t*>(p.v_cache);
   const int first_row = warp * kSimtRowsPerWarp;          // of the tile's rows
   const int64_t diagonal_offset = seq_len - num_queries;  // query i's position - i
   const acc_t softcap = static_cast<acc_t>(p.mods.softcap);
@@ -149,14 +225,18 @@ __global__ void __launch_bounds__(kSimtThreads) paged_attention_simt(PagedAttent
         const int64_t offset =
             j < tile_keys ? cached_row(p, block_table, p.k_cache_strides, kv_head, key0 + j) : -1;
         k_tile[j * tiles.k_ld() + d] =
-            offset >= 0 ? static_cast<acc_t>(widen(k_cache[offset + d])) : acc_t(0);
+            offset >= 0 ? cached_value<acc_t>(k_cache[offset + d]) *
+                              cached_row_scale(p, block_table, p.k_scales, kv_head, key0 + j)
+                        : acc_t(0);
       }
       for (int64_t idx = threadIdx.x; idx < kSimtKeys * p.head_dim_v; idx += blockDim.x) {
         const int64_t j = idx / p.head_dim_v, d = idx % p.head_dim_v;
         const int64_t offset =
             j < tile_keys ? cached_row(p, block_table, p.v_cache_strides, kv_head, key0 + j) : -1;
         v_tile[j * p.head_dim_v + d] =
-            offset >= 0 ? static_cast<acc_t>(widen(v_cache[offset + d])) : acc_t(0);
+            offset >= 0 ? cached_value<acc_t>(v_cache[offset + d]) *
+                              cached_row_scale(p, block_table, p.v_scales, kv_head, key0 + j)
+                        : acc_t(0);
       }
       __syncthreads();
 
@@ -297,6 +377,19 @@ bool append_rows_aligned(const PagedAppendParams& p) {
 
 cudaError_t launch_paged_kv_append(const PagedAppendParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_kv_heads == 0) return cudaSuccess;
+  if (p.format != CacheFormat::kPlain) {
+    constexpr int kWarpsPerBlock = kCopyThreads / kWarpSize;
+    return dispatch_dtype(p.dtype, [&](auto tag) {
+      using input_t = decltype(tag);
+      if constexpr (!std::is_same_v<input_t, double>) {  // the op layer allows no fp64 rows
+        paged_kv_append_quantized<input_t>
+            <<<stride_blocks(p.num_tokens * p.num_kv_heads * 2, kWarpsPerBlock), kCopyThreads, 0,
+               stream>>>(p);
+        return cudaGetLastError();
+      }
+      return cudaErrorInvalidValue;
+    });
+  }
   if (append_rows_aligned(p)) return launch_append<uint4>(p, stream);
   switch (p.element_size) {
     case 1: return launch_append<uint8_t>(p, stream);
@@ -305,6 +398,18 @@ cudaError_t launch_paged_kv_append(const PagedAppendParams& p, cudaStream_t stre
     case 8: return launch_append<uint64_t>(p, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+// Calls kernel(cache_t{}) with the element type of a cache of this format read with queries
+// of scalar_t; 8-bit caches take no fp64 queries (the op layer refuses them).
+template <typename scalar_t, typename Kernel>
+cudaError_t dispatch_cache_type(CacheFormat format, Kernel&& kernel) {
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (format == CacheFormat::kInt8) return kernel(int8_t{});
+    if (format == CacheFormat::kFloat8E4M3) return kernel(Float8E4M3{});
+  }
+  if (format != CacheFormat::kPlain) return cudaErrorInvalidValue;
+  return kernel(scalar_t{});
 }
 
 int64_t paged_attention_splits(const PagedAttentionParams& p, int num_sms) {
@@ -324,34 +429,37 @@ cudaError_t launch_paged_attention(const PagedAttentionParams& p, int num_sms,
   if (p.total_q == 0 || p.num_heads == 0) return cudaSuccess;
   const cudaError_t status = dispatch_dtype(p.dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
-    using acc_t = typename AccumulateType<scalar_t>::type;
-    const int64_t column_blocks = p.batch * p.num_kv_heads * p.num_kv_splits;
-    // Row tiles per sequence run as grid rows, as many as keep the SMs busy; each block
-    // loops over the tiles its row index selects.
-    const int64_t group = p.num_heads / p.num_kv_heads;
-    const int64_t max_row_tiles = ceil_div<int64_t>(p.max_queries_per_seq * group, kSimtRows);
-    const int64_t row_blocks =
-        std::clamp<int64_t>(ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), column_blocks), 1,
-                            std::clamp<int64_t>(max_row_tiles, 1, 65535));
-    const size_t shared = SimtTiles{p.head_dim, p.head_dim_v}.elements() * sizeof(acc_t);
-    cudaError_t launched = cudaSuccess;
-    dispatch_dim_chunks(std::max(p.head_dim, p.head_dim_v), [&](auto chunks) {
-      auto* kernel = paged_attention_simt<scalar_t, decltype(chunks)::value>;
-      if (shared > 48 * 1024) {
-        launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared));
-        if (launched != cudaSuccess) return true;
-      }
-      kernel<<<dim3(static_cast<unsigned>(column_blocks), static_cast<unsigned>(row_blocks)),
-               kSimtThreads, shared, stream>>>(p);
-      launched = cudaGetLastError();
-      return true;
+    return dispatch_cache_type<scalar_t>(p.format, [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      using acc_t = typename AccumulateType<scalar_t>::type;
+      const int64_t column_blocks = p.batch * p.num_kv_heads * p.num_kv_splits;
+      // Row tiles per sequence run as grid rows, as many as keep the SMs busy; each block
+      // loops over the tiles its row index selects.
+      const int64_t group = p.num_heads / p.num_kv_heads;
+      const int64_t max_row_tiles = ceil_div<int64_t>(p.max_queries_per_seq * group, kSimtRows);
+      const int64_t row_blocks =
+          std::clamp<int64_t>(ceil_div<int64_t>(2 * static_cast<int64_t>(num_sms), column_blocks),
+                              1, std::clamp<int64_t>(max_row_tiles, 1, 65535));
+      const size_t shared = SimtTiles{p.head_dim, p.head_dim_v}.elements() * sizeof(acc_t);
+      cudaError_t launched = cudaSuccess;
+      dispatch_dim_chunks(std::max(p.head_dim, p.head_dim_v), [&](auto chunks) {
+        auto* kernel = paged_attention_simt<scalar_t, cache_t, decltype(chunks)::value>;
+        if (shared > 48 * 1024) {
+          launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(shared));
+          if (launched != cudaSuccess) return true;
+        }
+        kernel<<<dim3(static_cast<unsigned>(column_blocks), static_cast<unsigned>(row_blocks)),
+                 kSimtThreads, shared, stream>>>(p);
+        launched = cudaGetLastError();
+        return true;
+      });
+      if (launched != cudaSuccess || p.num_kv_splits == 1) return launched;
+      merge_splits_kernel<scalar_t>
+          <<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v, kCopyThreads), kCopyThreads, 0,
+             stream>>>(p);
+      return cudaGetLastError();
     });
-    if (launched != cudaSuccess || p.num_kv_splits == 1) return launched;
-    merge_splits_kernel<scalar_t>
-        <<<stride_blocks(p.total_q * p.num_heads * p.head_dim_v, kCopyThreads), kCopyThreads, 0,
-           stream>>>(p);
-    return cudaGetLastError();
   });
   return status;
 }
