@@ -36,6 +36,7 @@ QUERY_SCALE = 2.0  # queries a little larger than unit normal sharpen the softma
 OUTLIER_CHANNELS = 4
 OUTLIER_FACTOR = 20.0
 CALIBRATION_TOKENS = 512
+CALIBRATION_SEED = 10_000  # the draws use seeds 0, 1, ...; the calibration keys another
 # The cache dtype of each format; fp8's unit and calibrated scales share one.
 CACHE_DTYPES = {
     "bf16": torch.bfloat16,
@@ -54,14 +55,25 @@ class Data:
 
 
 def make_data(
-    heads: int, kv_heads: int, context: int, head_dim: int, outliers: bool, seed: int = 0
+    heads: int,
+    kv_heads: int,
+    context: int,
+    head_dim: int,
+    outliers: bool,
+    seed: int = 0,
+    device=None,
 ) -> Data:
-    """Normal queries (x QUERY_SCALE), keys and values; with outliers, OUTLIER_CHANNELS key
-    channels of every kv head OUTLIER_FACTOR times larger."""
+    """Normal queries (x QUERY_SCALE), keys and values on device (drawn on the CPU, so a seed
+    gives the same data everywhere); with outliers, OUTLIER_CHANNELS key channels of every kv
+    head OUTLIER_FACTOR times larger."""
     generator = torch.Generator().manual_seed(seed)
-    q = QUERY_SCALE * torch.randn(heads, head_dim, generator=generator)
-    k = torch.randn(context, kv_heads, head_dim, generator=generator)
-    v = torch.randn(context, kv_heads, head_dim, generator=generator)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, device="cpu").to(device)
+
+    q = QUERY_SCALE * normal(heads, head_dim)
+    k = normal(context, kv_heads, head_dim)
+    v = normal(context, kv_heads, head_dim)
     if outliers:
         k[..., outlier_channels(head_dim)] *= OUTLIER_FACTOR
     return Data(q, k, v)
@@ -70,9 +82,8 @@ def make_data(
 def outlier_channels(head_dim: int) -> Tensor:
     """The key channels made large: the same ones in every draw (and every kv head), as a
     model's outlier channels are a property of its weights."""
-    return torch.randperm(head_dim, generator=torch.Generator().manual_seed(1234))[
-        :OUTLIER_CHANNELS
-    ]
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randperm(head_dim, generator=generator, device="cpu")[:OUTLIER_CHANNELS]
 
 
 def attention64(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -149,6 +160,7 @@ def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
         kv_heads,
         head_dim,
         dtype=CACHE_DTYPES[fmt],
+        device=data.k.device,
         **scales,
     )
     seq = cache.allocate()
@@ -162,7 +174,7 @@ def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
         v_cache,
         batch.block_tables,
         batch.seq_lens,
-        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32, device=data.k.device),
         **quantization,
     )[0]
 
@@ -210,7 +222,9 @@ def measure(
     softmax is sharp and one draw's error swings 3x (int8: 4% to 14% over six draws)."""
     # The smoothing factors come from calibration keys: a separate, shorter draw of the
     # same distribution (same outlier channels), as a model's would from a calibration set.
-    calibration = make_data(heads, kv_heads, CALIBRATION_TOKENS, head_dim, outliers, seed=-1).k
+    calibration = make_data(
+        heads, kv_heads, CALIBRATION_TOKENS, head_dim, outliers, CALIBRATION_SEED
+    ).k
     per_draw = [
         format_errors(
             make_data(heads, kv_heads, context, head_dim, outliers, seed), calibration, kernels
