@@ -52,9 +52,15 @@ TORCH_LIBRARY(mha_ext, m) {
   // block * block_size + offset; -1 skips the token). Caches are [num_blocks, num_kv_heads,
   // block_size, head_dim] through strides. A slot outside the cache is an error and nothing
   // is written.
+  // 8-bit caches quantize the rows as they are written (key and value fp32, bf16 or fp16;
+  // CacheFormat in csrc/include/mha_ext/paged_params.h gives the formats): an int8 cache
+  // writes each row's fp32 scale into k_scales / v_scales ([num_blocks, num_kv_heads,
+  // block_size] through strides, at the row's slot); a float8_e4m3fn cache divides by the
+  // per-tensor k_scale / v_scale (> 0) first.
   m.def(
       "paged_kv_append(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None, "
+      "float k_scale=1., float v_scale=1.) -> ()");
 
   // Attention of packed queries q [total_q, num_heads, head_dim] over paged caches: sequence
   // b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b+1]), reads its seq_lens[b] cached tokens
@@ -63,10 +69,13 @@ TORCH_LIBRARY(mha_ext, m) {
   // sees keys [p - window_left, p] (-1: unbounded); softcap, alibi_slopes ([heads] or [batch,
   // heads], distance p - j) and sinks ([heads], in lse) as for attention_forward. Returns out
   // [total_q, num_heads, head_dim_v] and lse [total_q, num_heads] (fp32; fp64 for fp64).
+  // 8-bit caches (as paged_kv_append wrote them, q fp32, bf16 or fp16) are dequantized as
+  // they are read, with the same k_scales / v_scales (int8) or k_scale / v_scale (fp8).
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int window_left=-1, "
-      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None) "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "Tensor? k_scales=None, Tensor? v_scales=None, float k_scale=1., float v_scale=1.) "
       "-> (Tensor out, Tensor lse)");
 
   // Combines two attentions over disjoint key sets, out_* [..., head_dim] with their

@@ -148,7 +148,7 @@ bool add_signature(PyObject* dict) {
   PyObject* returns = PyList_New(0);
   bool ok = arguments != nullptr && returns != nullptr;
   for (auto [list, names] :
-       {std::pair{arguments, Types::arguments()}, std::pair{returns, Types::returns()}}) {
+       {std::pair{arguments, op_argument_types<Op>()}, std::pair{returns, Types::returns()}}) {
     for (const std::string& name : names) {
       PyObject* item = ok ? PyUnicode_FromString(name.c_str()) : nullptr;
       ok = item != nullptr && PyList_Append(list, item) == 0;

@@ -650,7 +650,16 @@ def attention_probs(
 
 
 def paged_kv_append(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_scales: Optional[Tensor] = None,
+    v_scales: Optional[Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes new keys and values into a paged cache, in place.
 
@@ -665,8 +674,31 @@ def paged_kv_append(
             the GPU (no sync, CUDA-graph safe) and the kernel skips a slot outside the cache,
             writing only the valid ones; MHA_EXT_CHECK_INDICES=1 checks them on the host
             first and raises as the CPU does.
+        k_scales, v_scales, k_scale, v_scale: the scales of an 8-bit cache (PagedKVCache
+            allocates and passes them), which quantizes the rows as it writes them (key and
+            value fp32, bf16 or fp16):
+            - torch.int8 caches: symmetric, one fp32 scale per (token, kv head) row,
+              scale = absmax(row) / 127, stored = clamp(round_half_to_even(x / scale), -127,
+              127) (0 with scale 0 for an all-zero row); the scales are written into k_scales /
+              v_scales, (num_blocks, num_kv_heads, block_size) fp32 (any strides) at the row's
+              slot. k_scale / v_scale stay 1.
+            - torch.float8_e4m3fn caches: one scale per cache tensor, k_scale / v_scale > 0
+              (as vLLM and FlashInfer), stored = (x / k_scale) saturated to +-448 and rounded
+              to e4m3fn (ties to even); no scale tensors.
+            mha_ext.reference.quantize_int8 / quantize_float8 give the same bits. Bad scales
+            raise before anything is written.
     """
-    ops.paged_kv_append(key, value, k_cache, v_cache, slot_mapping)
+    ops.paged_kv_append(
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scales,
+        v_scales,
+        float(k_scale),
+        float(v_scale),
+    )
 
 
 def slot_mapping_for(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -691,6 +723,10 @@ def paged_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    k_scales: Optional[Tensor] = None,
+    v_scales: Optional[Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention for a batch of sequences of different lengths over a paged cache.
 
@@ -709,6 +745,9 @@ def paged_attention(
         softcap: > 0 replaces each scaled score s by softcap * tanh(s / softcap) (Gemma 2).
         alibi_slopes: (num_heads,) or (batch, num_heads): adds -slope * (p - j) for key j.
         sinks: (num_heads,) attention-sink logits joining each softmax denominator (gpt-oss).
+        k_scales, v_scales, k_scale, v_scale: an 8-bit cache's scales, as paged_kv_append
+            took them; the kernels dequantize the cache as they read it (q fp32, bf16 or fp16,
+            the output in q's dtype).
     """
     fn = "mha_ext.paged_attention"
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -724,6 +763,10 @@ def paged_attention(
         float(softcap),
         _head_values(alibi_slopes, q, "alibi_slopes", fn),
         _head_values(sinks, q, "sinks", fn),
+        k_scales,
+        v_scales,
+        float(k_scale),
+        float(v_scale),
     )
     return (out, lse) if return_lse else out
 

@@ -11,7 +11,7 @@ import math
 import mmap
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from torch import Tensor
 from .functional import slot_mapping_for
 
 LAYOUTS = ("HND", "NHD")
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 HUGE_PAGE_BYTES = 2 << 20
 
 
@@ -54,6 +55,22 @@ def _zeros(shape: Sequence[int], dtype: torch.dtype, device, huge_pages: bool) -
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _check_scales(dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """fp8 caches take finite per-tensor scales > 0; the others keep 1."""
+    scales = (float(k_scale), float(v_scale))
+    if dtype == torch.float8_e4m3fn:
+        if not all(math.isfinite(s) and s > 0 for s in scales):
+            raise ValueError(
+                f"PagedKVCache: k_scale and v_scale must be finite and > 0, got {k_scale!r} "
+                f"and {v_scale!r}"
+            )
+    elif scales != (1.0, 1.0):
+        raise ValueError(
+            f"PagedKVCache: k_scale and v_scale are float8_e4m3fn's per-tensor scales and must "
+            f"stay 1.0 for a {dtype} cache, got {k_scale!r} and {v_scale!r}"
+        )
+
+
 @dataclass
 class CacheBatch:
     """The tensors the paged ops need for one step of a batch of sequences."""
@@ -80,6 +97,13 @@ class PagedKVCache:
             tensors, NHD through a strided view.
         huge_pages: on Linux, CPU caches of 2 MiB or more are allocated on transparent huge
             pages (when the kernel allows them), which makes decode over large caches faster.
+        dtype: the caches' dtype: that of the keys and values, or an 8-bit format that the
+            ops quantize into as they append and dequantize as they attend (keys, values and
+            queries then fp32, bf16 or fp16; mha_ext.paged_kv_append gives the formats):
+            torch.int8 (one fp32 scale per token and kv head, in key_scales / value_scales,
+            laid out like the caches without head_dim) or torch.float8_e4m3fn (one scale per
+            cache tensor: k_scale, v_scale).
+        k_scale, v_scale: float8_e4m3fn's scales (> 0; stored = x / scale); 1 otherwise.
     """
 
     def __init__(
@@ -94,6 +118,8 @@ class PagedKVCache:
         device=None,
         layout: str = "HND",
         huge_pages: bool = True,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ):
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
             raise ValueError(
@@ -103,25 +129,48 @@ class PagedKVCache:
             )
         if layout not in LAYOUTS:
             raise ValueError(f"PagedKVCache: layout must be 'HND' or 'NHD', got {layout!r}")
+        _check_scales(dtype, k_scale, v_scale)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
 
-        def make_cache():
+        def make(row_shape, dtype):
+            # (num_blocks, num_kv_heads, block_size, *row_shape), NHD through a view
             if layout == "HND":
-                return _zeros(
-                    (num_blocks, num_kv_heads, block_size, head_dim), dtype, device, huge_pages
-                )
-            return _zeros(
-                (num_blocks, block_size, num_kv_heads, head_dim), dtype, device, huge_pages
-            ).transpose(1, 2)
+                shape = (num_blocks, num_kv_heads, block_size, *row_shape)
+                return _zeros(shape, dtype, device, huge_pages)
+            shape = (num_blocks, block_size, num_kv_heads, *row_shape)
+            return _zeros(shape, dtype, device, huge_pages).transpose(1, 2)
 
-        self.key_caches = [make_cache() for _ in range(num_layers)]
-        self.value_caches = [make_cache() for _ in range(num_layers)]
+        self.key_caches = [make((head_dim,), dtype) for _ in range(num_layers)]
+        self.value_caches = [make((head_dim,), dtype) for _ in range(num_layers)]
+        # int8's per-(token, kv head) scales, (num_blocks, num_kv_heads, block_size) fp32;
+        # None for other dtypes.
+        per_row = dtype == torch.int8
+        self.key_scales: List[Optional[Tensor]] = [
+            make((), torch.float32) if per_row else None for _ in range(num_layers)
+        ]
+        self.value_scales: List[Optional[Tensor]] = [
+            make((), torch.float32) if per_row else None for _ in range(num_layers)
+        ]
         self._free: List[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._ref_counts = [0] * num_blocks
         self._tables: Dict[int, List[int]] = {}
         self._lengths: Dict[int, int] = {}
         self._next_id = 0
+
+    def scale_arguments(self, layer: int) -> Dict[str, object]:
+        """The scale keyword arguments of mha_ext.paged_kv_append and paged_attention for
+        `layer`'s caches (empty for a cache that is not 8-bit)."""
+        if self.dtype not in QUANTIZED_DTYPES:
+            return {}
+        return {
+            "k_scales": self.key_scales[layer],
+            "v_scales": self.value_scales[layer],
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+        }
 
     @property
     def num_free_blocks(self) -> int:
@@ -216,7 +265,8 @@ class PagedKVCache:
         if self._last_block_shared_and_partial(seq_id):
             shared = table[-1]
             private = self._take_block()
-            for cache in self.key_caches + self.value_caches:
+            scales = [t for t in self.key_scales + self.value_scales if t is not None]
+            for cache in self.key_caches + self.value_caches + scales:
                 cache[private] = cache[shared]
             self._ref_counts[shared] -= 1
             table[-1] = private

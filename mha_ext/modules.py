@@ -303,7 +303,8 @@ class MultiHeadAttention(nn.Module):
         key = self.w_k(x).unflatten(-1, (self.num_kv_heads, self.d_k))  # (T, Hkv, d_k)
         value = self.w_v(x).unflatten(-1, (self.num_kv_heads, self.d_k))  # (T, Hkv, d_k)
         k_cache, v_cache = cache.key_caches[layer], cache.value_caches[layer]
-        functional.paged_kv_append(key, value, k_cache, v_cache, batch.slot_mapping)
+        scales = cache.scale_arguments(layer)  # an 8-bit cache's
+        functional.paged_kv_append(key, value, k_cache, v_cache, batch.slot_mapping, **scales)
         out = functional.paged_attention(
             query,
             k_cache,
@@ -312,6 +313,7 @@ class MultiHeadAttention(nn.Module):
             batch.seq_lens,
             batch.cu_seqlens_q,
             **self._paged_score_options(),
+            **scales,
         )  # (T, H, d_k)
         return self.w_o(out.flatten(-2))
 

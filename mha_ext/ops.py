@@ -102,11 +102,21 @@ def dropout_mask(
 
 
 def paged_kv_append(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scales: Optional[Tensor] = None,
+    v_scales: Optional[Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Writes key/value rows into the caches in place at slot_mapping (-1 skips a token)."""
-    args = (key, value, k_cache, v_cache, slot_mapping)
-    if calls_directly(args):
+    """Writes key/value rows into the caches in place at slot_mapping (-1 skips a token),
+    quantized for an 8-bit cache (int8: k_scales / v_scales written too)."""
+    tensors = (key, value, k_cache, v_cache, slot_mapping)
+    args = (*tensors, k_scales, v_scales, k_scale, v_scale)
+    if calls_directly(tensors + (k_scales, v_scales)):
         _C.paged_kv_append(*args)
     else:
         _ops.paged_kv_append.default(*args)
@@ -124,12 +134,17 @@ def paged_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    k_scales: Optional[Tensor] = None,
+    v_scales: Optional[Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of packed queries over paged caches; returns (out, lse). See csrc/ops.cpp
     for the argument contract."""
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     args = (*tensors, scale, window_left, softcap, alibi_slopes, sinks)
-    if calls_directly(tensors + (alibi_slopes, sinks)):
+    args += (k_scales, v_scales, k_scale, v_scale)
+    if calls_directly(tensors + (alibi_slopes, sinks, k_scales, v_scales)):
         return _C.paged_attention(*args)
     return _ops.paged_attention.default(*args)
 
@@ -181,7 +196,7 @@ def _dropout_mask_fake(dropout_seed, batch, num_heads, seq_q, seq_k, dropout_p):
 
 
 @torch.library.register_fake("mha_ext::paged_kv_append")
-def _paged_kv_append_fake(key, value, k_cache, v_cache, slot_mapping):
+def _paged_kv_append_fake(key, value, k_cache, v_cache, slot_mapping, *scales):
     return None
 
 
@@ -198,6 +213,7 @@ def _paged_attention_fake(
     softcap=0.0,
     alibi_slopes=None,
     sinks=None,
+    *scales,
 ):
     total_q, heads, _ = q.shape
     out = q.new_empty(total_q, heads, v_cache.shape[-1])

@@ -219,6 +219,48 @@ def paged_attention_reference(
     return out, lse
 
 
+FLOAT8_E4M3_MAX = 448.0
+
+
+def quantize_int8(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """(stored, scale) of rows x (..., dim) in the int8 cache format: scale = absmax / 127
+    per row (fp32, shape x.shape[:-1]), stored = clamp(round_half_to_even(x / scale), -127,
+    127) int8; an all-zero row stores zeros with scale 0. In fp32 with true division, the bits
+    paged_kv_append writes."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127.0
+    divisor = torch.where(scale == 0, 1.0, scale)[..., None].expand_as(x).contiguous()
+    stored = torch.round(x / divisor).clamp(-127, 127)
+    stored = torch.where(scale[..., None] == 0, 0.0, stored)
+    return stored.to(torch.int8), scale
+
+
+def quantize_float8(x: Tensor, scale: float) -> Tensor:
+    """x / scale saturated to +-448 and rounded to float8_e4m3fn (ties to even), in fp32 with
+    true division: the bits paged_kv_append writes into a float8_e4m3fn cache."""
+    x = x.float()
+    divisor = torch.full_like(x, scale)  # a tensor: torch divides by a Python float as a multiply
+    y = x / divisor
+    return torch.where(y.isnan(), y, y.clamp(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)).to(
+        torch.float8_e4m3fn
+    )
+
+
+def dequantize_cache(
+    cache: Tensor,
+    scales: Optional[Tensor] = None,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The values an 8-bit cache (num_blocks, num_kv_heads, block_size, dim) holds, in `dtype`:
+    stored * scales[..., None] (int8, per row) or stored * scale (float8_e4m3fn, per tensor);
+    other caches converted as they are."""
+    values = cache.to(dtype)
+    if scales is not None:
+        values = values * scales.to(dtype)[..., None]
+    return values * scale if scale != 1.0 else values
+
+
 class MultiHeadAttentionReference(nn.Module):
     """The seed tutorial's naive module (explicit scores, separate softmax and dropout),
     extended to GQA/MQA by repeating K/V heads. Parameters match MultiHeadAttention's, so

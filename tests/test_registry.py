@@ -200,7 +200,7 @@ def test_direct_calls_name_an_argument_of_the_wrong_type():
     with pytest.raises(OverflowError, match=r"int too big to convert"):  # Python's own, past int64
         mha_ext._C.attention_forward(q, k, v, None, None, 0.0, 0.25, 2**64, -1, False)
     with pytest.raises(
-        TypeError, match=r"mha_ext.paged_attention takes 7 to 11 positional arguments, got 6"
+        TypeError, match=r"mha_ext.paged_attention takes 7 to 15 positional arguments, got 6"
     ):
         mha_ext._C.paged_attention(q[0], k, v, None, None, None)
 
@@ -241,6 +241,7 @@ VALID = {
     "Tensor": torch.zeros(1),
     "Tensor!": torch.zeros(1),
     "Tensor?": None,
+    "Tensor?!": None,
     "float": 1.0,
     "int": 1,
     "SymInt": 1,
@@ -250,6 +251,7 @@ WRONG = {
     "Tensor": "x",
     "Tensor!": "x",
     "Tensor?": 1.5,
+    "Tensor?!": 1.5,
     "float": "x",
     "int": 1.5,
     "SymInt": 1.5,

@@ -66,7 +66,8 @@ void paged_decode(benchmark::State& state) {
   PagedAttentionParams params = make_paged_attention_params(
       step.q, step.k_cache, step.v_cache, step.tables, seq_lens, cu_seqlens,
       1.0 / std::sqrt(static_cast<double>(step.head_dim)), /*window_left=*/-1, /*softcap=*/0.0,
-      /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, cpu::Backend::kIndicesOnHost);
+      /*alibi_slopes=*/std::nullopt, /*sinks=*/std::nullopt, /*k_scales=*/std::nullopt,
+      /*v_scales=*/std::nullopt, /*k_scale=*/1.0, /*v_scale=*/1.0, cpu::Backend::kIndicesOnHost);
   const auto plan = cpu::Backend::plan(params, step.q);  // the op's plan
   const PagedAttentionTensors tensors = allocate_paged_tensors(params, step.q);
   for (auto _ : state) {
@@ -164,8 +165,9 @@ void paged_append(benchmark::State& state) {
   at::Tensor key = random({1, kv_heads, head_dim}, dtype),
              value = random({1, kv_heads, head_dim}, dtype);
   at::Tensor slot = at::full({1}, context, at::kLong);  // the token after `context` cached ones
-  const PagedAppendParams params =
-      make_append_params(key, value, k_cache, v_cache, slot, cpu::Backend::kIndicesOnHost);
+  const PagedAppendParams params = make_append_params(
+      key, value, k_cache, v_cache, slot, /*k_scales=*/std::nullopt,
+      /*v_scales=*/std::nullopt, /*k_scale=*/1.0, /*v_scale=*/1.0, cpu::Backend::kIndicesOnHost);
   for (auto _ : state) {
     cpu::paged_kv_append(params);
     benchmark::ClobberMemory();

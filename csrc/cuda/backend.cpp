@@ -74,6 +74,8 @@ void Backend::run(const DropoutMaskParams& p) {
 Backend::NoPlan Backend::plan(PagedAppendParams&, const at::Tensor&) { return {}; }
 
 void Backend::run(const PagedAppendParams& params, NoPlan) {
+  TORCH_CHECK(params.format == CacheFormat::kPlain,
+              "mha_ext.paged_kv_append: 8-bit caches are not yet supported on CUDA");
   check_launch(launch_paged_kv_append(params, current_stream()), "mha_ext.paged_kv_append: ");
 }
 
@@ -83,6 +85,8 @@ Backend::NoPlan Backend::plan(PagedAttentionParams& params, const at::Tensor&) {
 }
 
 void Backend::run(const PagedAttentionParams& params, NoPlan) {
+  TORCH_CHECK(params.format == CacheFormat::kPlain,
+              "mha_ext.paged_attention: 8-bit caches are not yet supported on CUDA");
   check_launch(launch_paged_attention(params, multiprocessor_count(), current_stream()),
                "mha_ext.paged_attention: ");
 }

@@ -76,6 +76,14 @@ std::vector<std::string> schema_return_names() {
   }
 }
 
+// Positions of the optional tensors an op writes ("Tensor(a!)?" in its schema). C++ passes an
+// optional tensor as const std::optional<at::Tensor>& whether or not the op writes it, so the
+// signature cannot say; an op that writes some specializes this next to its description.
+template <typename Op>
+struct WrittenOptionalTensors {
+  static constexpr int positions[] = {-1};
+};
+
 template <typename Signature>
 struct SignatureTypes;
 
@@ -85,5 +93,15 @@ struct SignatureTypes<Result(Args...)> {
   static std::vector<std::string> arguments() { return {schema_type_name<Args>()...}; }
   static std::vector<std::string> returns() { return schema_return_names<Result>(); }
 };
+
+// The schema type names of Op's arguments: its signature's, "Tensor?!" for a written optional.
+template <typename Op>
+std::vector<std::string> op_argument_types() {
+  std::vector<std::string> types = SignatureTypes<typename Op::Signature>::arguments();
+  for (const int position : WrittenOptionalTensors<Op>::positions) {
+    if (position >= 0) types.at(position) += "!";
+  }
+  return types;
+}
 
 }  // namespace mha_ext

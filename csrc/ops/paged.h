@@ -91,20 +91,89 @@ inline std::pair<int64_t, int64_t> check_paged_index_values(const PagedAttention
   return {max_queries, max_seq_len};
 }
 
+inline CacheFormat cache_format(at::ScalarType cache_dtype) {
+  if (cache_dtype == at::kChar) return CacheFormat::kInt8;
+  if (cache_dtype == at::kFloat8_e4m3fn) return CacheFormat::kFloat8E4M3;
+  return CacheFormat::kPlain;
+}
+
+// One cache tensor's scales, checked against its format: an int8 cache needs its per-row
+// scale tensor (fp32 [num_blocks, num_kv_heads, block_size], on the cache's device) and a
+// per-tensor scale of 1; an fp8 cache a finite per-tensor scale > 0 and no scale tensor; a
+// plain cache neither.
+inline QuantScales checked_scales(const char* op, CacheFormat format, const at::Tensor& cache,
+                                  const char* cache_name, const std::optional<at::Tensor>& per_row,
+                                  const char* per_row_name, double per_tensor,
+                                  const char* per_tensor_name) {
+  const std::string cache_dtype = dtype_name(cache.scalar_type());
+  QuantScales scales;
+  if (format == CacheFormat::kInt8) {
+    TORCH_CHECK(per_row.has_value(), op, "an int8 ", cache_name, " needs ", per_row_name,
+                ", its fp32 scales [num_blocks, num_kv_heads, block_size] = ",
+                cache.sizes().slice(0, 3), ", got None");
+    TORCH_CHECK(per_row->scalar_type() == at::kFloat, op, per_row_name,
+                " must be torch.float32, got ", dtype_name(per_row->scalar_type()));
+    TORCH_CHECK(per_row->device() == cache.device(), op, per_row_name, " is on ", per_row->device(),
+                " but ", cache_name, " is on ", cache.device());
+    TORCH_CHECK(per_row->sizes() == cache.sizes().slice(0, 3), op, per_row_name,
+                " must have shape [num_blocks, num_kv_heads, block_size] = ",
+                cache.sizes().slice(0, 3), " (", cache_name, "'s), got ", per_row->sizes());
+    TORCH_CHECK(per_tensor == 1.0, op, per_tensor_name, " must be 1.0 for an int8 ", cache_name,
+                " (its scales are per row, in ", per_row_name, "), got ", per_tensor);
+    scales.per_row = per_row->data_ptr<float>();
+    scales.strides = {per_row->stride(0), per_row->stride(1), per_row->stride(2)};
+    return scales;
+  }
+  TORCH_CHECK(!per_row.has_value(), op, per_row_name, " is only for int8 caches, but ", cache_name,
+              " is ", cache_dtype);
+  if (format == CacheFormat::kFloat8E4M3) {
+    TORCH_CHECK(std::isfinite(per_tensor) && per_tensor > 0.0, op, per_tensor_name,
+                " must be finite and > 0 for a ", cache_dtype, " ", cache_name, ", got ",
+                per_tensor);
+    scales.per_tensor = static_cast<float>(per_tensor);
+    TORCH_CHECK(std::isfinite(scales.per_tensor) && scales.per_tensor > 0.f, op, per_tensor_name,
+                " = ", per_tensor, " is outside fp32's range");
+    return scales;
+  }
+  TORCH_CHECK(per_tensor == 1.0, op, per_tensor_name, " is only for float8_e4m3fn caches, but ",
+              cache_name, " is ", cache_dtype, "; got ", per_tensor);
+  return scales;
+}
+
+// The rows an 8-bit cache takes in (key and value) or is read with (q): fp32, bf16 or fp16.
+inline void check_quantized_rows_dtype(const char* op, const at::Tensor& rows, const char* name,
+                                       const at::Tensor& cache) {
+  const at::ScalarType dtype = rows.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, "a ",
+              dtype_name(cache.scalar_type()), " cache takes ", name,
+              " in torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(dtype));
+  TORCH_CHECK(rows.device() == cache.device(), op, name, " is on ", rows.device(),
+              " but the cache is on ", cache.device());
+}
+
 }  // namespace paged_detail
 
 // Validates one append (slot values included, where indices_on_host or MHA_EXT_CHECK_INDICES
 // says so) and fills its params.
 inline PagedAppendParams make_append_params(const at::Tensor& key, const at::Tensor& value,
                                             const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                            const at::Tensor& slot_mapping, bool indices_on_host) {
+                                            const at::Tensor& slot_mapping,
+                                            const std::optional<at::Tensor>& k_scales,
+                                            const std::optional<at::Tensor>& v_scales,
+                                            double k_scale, double v_scale, bool indices_on_host) {
   using namespace paged_detail;
   const char* dims = "[num_tokens, num_kv_heads, head_dim]";
   check_rank(kAppendOp, key, "key", 3, dims);
   check_rank(kAppendOp, value, "value", 3, dims);
   check_caches(kAppendOp, k_cache, v_cache);
-  check_same_dtype(kAppendOp, key, "key", k_cache, "k_cache");
-  check_same_dtype(kAppendOp, value, "value", v_cache, "v_cache");
+  const CacheFormat format = cache_format(k_cache.scalar_type());
+  if (format == CacheFormat::kPlain) {
+    check_same_dtype(kAppendOp, key, "key", k_cache, "k_cache");
+    check_same_dtype(kAppendOp, value, "value", v_cache, "v_cache");
+  } else {
+    check_quantized_rows_dtype(kAppendOp, key, "key", k_cache);
+    check_same_dtype(kAppendOp, value, "value", key, "key");
+  }
   TORCH_CHECK(slot_mapping.dim() == 1, kAppendOp,
               "slot_mapping must be 1-D [num_tokens], got shape ", slot_mapping.sizes());
   check_index_tensor(kAppendOp, slot_mapping, "slot_mapping", at::kLong, k_cache.device());
@@ -132,6 +201,12 @@ inline PagedAppendParams make_append_params(const at::Tensor& key, const at::Ten
   p.num_blocks = k_cache.size(0);
   p.block_size = k_cache.size(2);
   p.element_size = static_cast<int64_t>(key.element_size());
+  p.dtype = to_dtype(key.scalar_type(), kAppendOp, "key");
+  p.format = format;
+  p.k_scales = checked_scales(kAppendOp, format, k_cache, "k_cache", k_scales, "k_scales", k_scale,
+                              "k_scale");
+  p.v_scales = checked_scales(kAppendOp, format, v_cache, "v_cache", v_scales, "v_scales", v_scale,
+                              "v_scale");
   p.key_strides = token_strides(key);
   p.value_strides = token_strides(value);
   p.k_cache_strides = cache_strides(k_cache);
@@ -146,11 +221,16 @@ inline PagedAppendParams make_append_params(const at::Tensor& key, const at::Ten
   return p;
 }
 
+// k_scales / v_scales are written (the schema's "Tensor(c!)?"); C++ passes an optional tensor
+// as const whether or not the op writes it (WrittenOptionalTensors below says which are).
 template <typename Backend>
 void paged_kv_append(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                     const std::optional<at::Tensor>& k_scales,
+                     const std::optional<at::Tensor>& v_scales, double k_scale, double v_scale) {
   PagedAppendParams params =
-      make_append_params(key, value, k_cache, v_cache, slot_mapping, Backend::kIndicesOnHost);
+      make_append_params(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales, k_scale,
+                         v_scale, Backend::kIndicesOnHost);
   Backend::run(params, Backend::plan(params, key));
 }
 
@@ -162,11 +242,17 @@ inline PagedAttentionParams make_paged_attention_params(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
     double scale, int64_t window_left, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    bool indices_on_host) {
+    const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+    double k_scale, double v_scale, bool indices_on_host) {
   using namespace paged_detail;
   check_rank(kPagedOp, q, "q", 3, "[total_q, num_heads, head_dim]");
   check_caches(kPagedOp, k_cache, v_cache);
-  check_same_dtype(kPagedOp, q, "q", k_cache, "k_cache");
+  const CacheFormat format = cache_format(k_cache.scalar_type());
+  if (format == CacheFormat::kPlain) {
+    check_same_dtype(kPagedOp, q, "q", k_cache, "k_cache");
+  } else {
+    check_quantized_rows_dtype(kPagedOp, q, "q", k_cache);
+  }
   TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0, kPagedOp, "the cache has ",
               k_cache.size(1), " kv heads, which does not divide q's ", q.size(1), " heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), kPagedOp, "q has head_dim ", q.size(2),
@@ -209,6 +295,11 @@ inline PagedAttentionParams make_paged_attention_params(
 
   PagedAttentionParams p;
   p.dtype = to_dtype(q.scalar_type(), kPagedOp, "q");
+  p.format = format;
+  p.k_scales = checked_scales(kPagedOp, format, k_cache, "k_cache", k_scales, "k_scales", k_scale,
+                              "k_scale");
+  p.v_scales = checked_scales(kPagedOp, format, v_cache, "v_cache", v_scales, "v_scales", v_scale,
+                              "v_scale");
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
@@ -287,10 +378,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
     double scale, int64_t window_left, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+    double k_scale, double v_scale) {
   PagedAttentionParams params = make_paged_attention_params(
       q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window_left, softcap,
-      alibi_slopes, sinks, Backend::kIndicesOnHost);
+      alibi_slopes, sinks, k_scales, v_scales, k_scale, v_scale, Backend::kIndicesOnHost);
   const auto plan = Backend::plan(params, q);  // sets num_kv_splits
   const PagedAttentionTensors tensors = allocate_paged_tensors(params, q);
   Backend::run(params, plan);
@@ -299,5 +392,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
 
 MHA_EXT_DESCRIBE_OP(PagedKvAppendOp, paged_kv_append);
 MHA_EXT_DESCRIBE_OP(PagedAttentionOp, paged_attention);
+
+template <>
+struct WrittenOptionalTensors<PagedKvAppendOp> {
+  static constexpr int positions[] = {5, 6};  // k_scales, v_scales
+};
 
 }  // namespace mha_ext

@@ -44,6 +44,7 @@
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16-math.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>  // the paged kernels' float8_e4m3fn caches
 #include <c10/util/Half.h>
 #include <c10/util/Load.h>
 #include <c10/util/copysign.h>

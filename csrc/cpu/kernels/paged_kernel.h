@@ -23,7 +23,9 @@
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -247,6 +249,81 @@ struct PagedKernelTraits {
   }
 };
 
+// 8-bit caches (CacheFormat): the kernels read their elements as fp32 "units" and fold the
+// rest of the dequantization into the scores and the output (dequantize_in_scores...).
+template <typename cache_t>
+constexpr bool kQuantizedCache =
+    std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+
+// The value of one unit of a cached element: an int8 loads as its integer; a float8_e4m3fn as
+// its value / 2^8, which is what its bits read as an fp16 after one shift and one mask (the
+// 4 exponent bits land in fp16's 5 with the bias 15 instead of 7). VCVTPH2PS converts that
+// fp16 exactly, subnormals included, so e4m3's subnormals never become fp32 subnormals
+// (a microcode assist per lane); the 2^8 joins the per-tensor scale. The NaN encoding reads
+// as 480 (the append stores NaN only for a NaN input).
+template <typename cache_t>
+constexpr float kCacheUnit = std::is_same_v<cache_t, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+// One cached element in units (kCacheUnit), for the kernels' scalar tails.
+template <typename acc_t, typename cache_t>
+C10_ALWAYS_INLINE acc_t cached_unit(cache_t x) {
+  if constexpr (std::is_same_v<cache_t, c10::Float8_e4m3fn>) {
+    return static_cast<acc_t>(static_cast<float>(x) * (1.f / 256.f));
+  } else {
+    return static_cast<acc_t>(x);
+  }
+}
+
+// The first `count` elements of an 8-bit cache row (at most a vector's worth) as fp32 units;
+// lanes past count are 0.
+template <typename cache_t>
+C10_ALWAYS_INLINE at::vec::Vectorized<float> load_quantized_units(const cache_t* src,
+                                                                  int64_t count) {
+  constexpr int64_t kWidth = at::vec::Vectorized<float>::size();
+  if (count < kWidth) {
+    cache_t part[kWidth] = {};
+    std::memcpy(part, src, count);
+    return load_quantized_units(part, kWidth);
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else {
+    // Sign-extended to 16 bits, shifted left by 7: the sign lands in bit 15 (and 14, cleared),
+    // exponent and mantissa in bits 7-13.
+    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return _mm512_cvtph_ps(halves);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  } else {
+    const __m128i halves = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                         _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+    return _mm256_cvtph_ps(halves);
+  }
+#else
+  float units[kWidth];
+  for (int64_t i = 0; i < kWidth; ++i) units[i] = cached_unit<float>(src[i]);
+  return at::vec::Vectorized<float>::loadu(units);
+#endif
+}
+
+// load_as for cache rows: the first `count` elements (at most a vector's worth) as acc_t,
+// in units (kCacheUnit) for an 8-bit cache.
+template <typename acc_t, typename cache_t>
+C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> load_cached(const cache_t* src, int64_t count) {
+  if constexpr (kQuantizedCache<cache_t>) {
+    static_assert(std::is_same_v<acc_t, float>, "8-bit caches accumulate in fp32");
+    return load_quantized_units(src, count);
+  } else {
+    return load_as<acc_t>(src, count);
+  }
+}
+
 // The cache rows of positions [first, first + count) of a sequence, for one kv head: rows[i]
 // holds position first + i. The block table is looked up once per block, not per row: the
 // 64-bit divisions that locate a position (block_size is known only at run time), four per
@@ -260,6 +337,30 @@ void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_
     const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
     const int64_t in_block = std::min(block_size - location.offset, count - i);
     for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
+  }
+}
+
+// scales[i] = the int8 scale of position first + i of kv head `kv_head`, for i < count,
+// located block by block like cache_rows.
+template <typename acc_t>
+void cache_row_scales(const QuantScales& quant, const int32_t* block_table, int64_t block_size,
+                      int64_t kv_head, int64_t first, int64_t count, acc_t* scales) {
+  for (int64_t i = 0; i < count;) {
+    const CacheSlot location = position_location(block_table, first + i, block_size);
+    const float* row = quant.per_row + cache_row_offset(quant.strides, location, kv_head);
+    const int64_t in_block = std::min(block_size - location.offset, count - i);
+    for (int64_t j = 0; j < in_block; ++j, ++i) scales[i] = row[j * quant.strides.offset];
+  }
+}
+
+// tile[r * ld + c] *= column_scales[c] for r < rows, c < cols.
+template <typename acc_t>
+void scale_columns(acc_t* tile, int64_t ld, int64_t rows, int64_t cols,
+                   const acc_t* column_scales) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    at::vec::map2([](Vec x, Vec scale) { return x * scale; }, tile + r * ld, tile + r * ld,
+                  column_scales, cols);
   }
 }
 
@@ -314,13 +415,22 @@ struct TileRows {
   }
 };
 
-// Rows [0, count) of a tile copied like load_rows into dst [count, ld].
+// Rows [0, count) of a tile copied like load_rows into dst [count, ld], an 8-bit cache's in
+// units (kCacheUnit).
 template <typename scalar_t, typename acc_t>
 void gather_tile_rows(const TileRows<scalar_t>& tile, int64_t count, int64_t dim, acc_t* dst,
                       int64_t ld) {
+  using Vec = at::vec::Vectorized<acc_t>;
   for (int64_t i = 0; i < count; ++i) {
     tile.prefetch(i, dim);
-    load_rows(tile.rows[i], 0, 1, dim, dst + i * ld, ld);
+    if constexpr (kQuantizedCache<scalar_t>) {
+      for (int64_t d = 0; d < dim; d += Vec::size()) {
+        const int64_t lanes = std::min<int64_t>(Vec::size(), dim - d);
+        load_cached<acc_t>(tile.rows[i] + d, lanes).store(dst + i * ld + d, lanes);
+      }
+    } else {
+      load_rows(tile.rows[i], 0, 1, dim, dst + i * ld, ld);
+    }
   }
 }
 
@@ -529,7 +639,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
       load_two_vectors(keys[0] + d, k[0][0], k[1][0]);  // kStepVectors is 2 for one key only
     } else {
       unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        k[0][j] = load_as<acc_t>(keys[j] + d, kWidth);
+        k[0][j] = load_cached<acc_t>(keys[j] + d, kWidth);
       });
     }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -577,7 +687,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   for (; d < dim; ++d) {
     for (int j = 0; j < kKeys; ++j) {
       for (int r = 0; r < kRows; ++r)
-        scores[r * ld_s + j] += q[r * ld_q + d] * static_cast<acc_t>(keys[j][d]);
+        scores[r * ld_s + j] += q[r * ld_q + d] * cached_unit<acc_t>(keys[j][d]);
     }
   }
 }
@@ -668,7 +778,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
       });
     } else {
       unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        v[j] = load_as<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
+        v[j] = load_cached<acc_t>(value_rows[c] + d0 + j * kWidth, width[j]);
       });
     }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -773,7 +883,8 @@ PagedCallPlan plan_paged_call(const PagedAttentionParams& p, const PagedTaskPlan
   plan.head_state_size =
       2 * plan.tile_rows * plan.ld_d + plan.tile_rows * plan.ld_dv + 2 * plan.tile_rows;
   plan.scratch_size = plan.heads_per_task * plan.head_state_size + p.head_dim * kKeyBlock +
-                      kKeyBlock * plan.ld_dv + plan.tile_rows * kKeyBlock + kKeyBlock * p.head_dim;
+                      kKeyBlock * plan.ld_dv + plan.tile_rows * kKeyBlock + kKeyBlock * p.head_dim +
+                      2 * kKeyBlock;
   plan.tasks = p.batch * plan.head_groups * plan.q_chunks * plan.splits;
   return plan;
 }
@@ -784,11 +895,13 @@ PagedCallPlan plan_paged_call(const PagedAttentionParams& p, const PagedTaskPlan
 template <typename scalar_t, typename acc_t>
 struct PagedScratch {
   const PagedCallPlan& plan;
-  acc_t* head_states;  // [heads_per_task, head_state_size]
-  acc_t* kt_tile;      // [head_dim, kKeyBlock]
-  acc_t* v_tile;       // [kKeyBlock, ld_dv]
-  acc_t* s_tile;       // [tile_rows, kKeyBlock]
-  acc_t* staging;      // [kKeyBlock, head_dim]
+  acc_t* head_states;   // [heads_per_task, head_state_size]
+  acc_t* kt_tile;       // [head_dim, kKeyBlock]
+  acc_t* v_tile;        // [kKeyBlock, ld_dv]
+  acc_t* s_tile;        // [tile_rows, kKeyBlock]
+  acc_t* staging;       // [kKeyBlock, head_dim]
+  acc_t* k_row_scales;  // [kKeyBlock]: an int8 cache's scales of the item's key rows
+  acc_t* v_row_scales;  // [kKeyBlock]: and of its value rows
 
   PagedScratch(const PagedCallPlan& call, int64_t head_dim)
       : plan(call),
@@ -796,7 +909,9 @@ struct PagedScratch {
         kt_tile(head_states + call.heads_per_task * call.head_state_size),
         v_tile(kt_tile + head_dim * kKeyBlock),
         s_tile(v_tile + kKeyBlock * call.ld_dv),
-        staging(s_tile + call.tile_rows * kKeyBlock) {}
+        staging(s_tile + call.tile_rows * kKeyBlock),
+        k_row_scales(staging + kKeyBlock * head_dim),
+        v_row_scales(k_row_scales + kKeyBlock) {}
 
   // The state of the task's i-th kv head.
   HeadState<scalar_t, acc_t> head(int64_t i) const {
@@ -872,25 +987,40 @@ PagedTask plan_task(const PagedAttentionParams& p, const PagedCallPlan& plan, in
   return task;
 }
 
-// Loads each of the task's kv heads' q rows into its state, pre-scaled (in bf16 as given for
-// kScoreByBf16Dots; in widen_bf16_pairs' order where the task widens in pairs), and clears
-// the heads' outputs and softmax states.
-template <typename scalar_t, typename acc_t>
+// The factors an 8-bit cache's units (kCacheUnit) take to their values beyond the int8 row
+// scales: the per-tensor scale times the unit. The key's multiplies the q rows' pre-scale,
+// the value's the output rows when a task finishes; 1 for other caches.
+template <typename cache_t>
+double key_unit_factor(const PagedAttentionParams& p) {
+  return static_cast<double>(p.k_scales.per_tensor) * kCacheUnit<cache_t>;
+}
+template <typename cache_t>
+double value_unit_factor(const PagedAttentionParams& p) {
+  return static_cast<double>(p.v_scales.per_tensor) * kCacheUnit<cache_t>;
+}
+
+// Loads each of the task's kv heads' q rows (q_t) into its state, pre-scaled by the softmax
+// scale and key_unit_factor (in bf16 as given for kScoreByBf16Dots; in widen_bf16_pairs'
+// order where the task widens in pairs), and clears the heads' outputs and softmax states.
+template <typename q_t, typename scalar_t, typename acc_t>
 void start_task(const PagedAttentionParams& p, const PagedTask& task,
                 const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+  const auto q_scale = static_cast<acc_t>(p.scale * key_unit_factor<scalar_t>(p));
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
   for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
     const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
     for (int64_t r = 0; r < task.rows; ++r) {
-      const scalar_t* q_row = static_cast<const scalar_t*>(p.q) +
-                              (task.q_begin + task.first_query + r / group) * p.q_strides.token +
-                              (kv_head * group + r % group) * p.q_strides.head;
-      if (bf16_dots && task.direct) {
-        std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
-        continue;
+      const q_t* q_row = static_cast<const q_t*>(p.q) +
+                         (task.q_begin + task.first_query + r / group) * p.q_strides.token +
+                         (kv_head * group + r % group) * p.q_strides.head;
+      if constexpr (std::is_same_v<q_t, scalar_t>) {  // bf16 dots score a bf16 q and cache
+        if (bf16_dots && task.direct) {
+          std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
+          continue;
+        }
       }
-      load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, static_cast<acc_t>(p.scale));
+      load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, q_scale);
       if (task.widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
     }
     std::fill(state.o, state.o + task.rows * ld_dv, acc_t(0));
@@ -1059,9 +1189,20 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
     tile_gemm<false>(rows, cols, p.head_dim, state.q, ld_d, scratch.kt_tile, kKeyBlock, s_tile,
                      kKeyBlock);
   }
+  const bool row_scales = p.format == CacheFormat::kInt8;
+  if (row_scales) {  // dequantize the keys in the scores: s = scale_k[c] (q . k_int8[c])
+    cache_row_scales(p.k_scales, task.block_table, p.block_size, item.kv_head, item.key0, cols,
+                     scratch.k_row_scales);
+    scale_columns(s_tile, kKeyBlock, rows, cols, scratch.k_row_scales);
+  }
   modify_and_mask_scores(p, task, item, scratch.plan.group, s_tile);
   online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
                       scratch.plan.ld_dv, p.head_dim_v);
+  if (row_scales) {  // and the values in P: O += (P[:, c] scale_v[c]) v_int8[c]
+    cache_row_scales(p.v_scales, task.block_table, p.block_size, item.kv_head, item.key0, cols,
+                     scratch.v_row_scales);
+    scale_columns(s_tile, kKeyBlock, rows, cols, scratch.v_row_scales);
+  }
 }
 
 // The value pass of one work item: O += P V over the item's keys (P in s_tile from the score
@@ -1122,26 +1263,32 @@ acc_t finish_row_with_sink(const acc_t* o_row, int64_t head_dim_v, double row_ma
   return merged.lse;
 }
 
-// Writes a finished task's rows: with one key split, the normalised output and its
+// Writes a finished task's rows (out: q_t): with one key split, the normalised output and its
 // logsumexp, the sink joined where there are sinks; with several, this split's normalised partial
 // output and logsumexp in the workspaces, which merge_split_outputs folds together once every task
-// is done.
-template <typename scalar_t, typename acc_t>
+// is done. An 8-bit cache's value_unit_factor scales the output rows first.
+template <typename q_t, typename scalar_t, typename acc_t>
 void finish_task(const PagedAttentionParams& p, const PagedTask& task,
                  const PagedScratch<scalar_t, acc_t>& scratch) {
+  using Vec = at::vec::Vectorized<acc_t>;
   const int64_t group = scratch.plan.group, splits = scratch.plan.splits;
+  const auto value_factor = static_cast<acc_t>(value_unit_factor<scalar_t>(p));
   for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
     const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
     for (int64_t r = 0; r < task.rows; ++r) {
       acc_t* o_row = state.o + r * scratch.plan.ld_dv;
       if (task.widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
+      if (value_factor != acc_t(1)) {
+        at::vec::map([value_factor](Vec x) { return x * Vec(value_factor); }, o_row, o_row,
+                     p.head_dim_v);
+      }
       const int64_t token = task.q_begin + task.first_query + r / group;
       const int64_t head = kv_head * group + r % group;
       const int64_t lse_index = token * p.num_heads + head;
       const double row_max = state.row_max_log2[r] * kLn2;
       if (splits == 1) {
-        scalar_t* out =
-            static_cast<scalar_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head;
+        q_t* out =
+            static_cast<q_t*>(p.out) + token * p.out_strides.token + head * p.out_strides.head;
         static_cast<acc_t*>(p.lse)[lse_index] =
             p.sinks == nullptr
                 ? finish_row(o_row, p.head_dim_v, row_max, state.row_sum[r], out)
@@ -1197,9 +1344,10 @@ void merge_split_outputs(const PagedAttentionParams& p) {
   });
 }
 
-// Paged attention in one ISA build for a cache of scalar_t: the tasks in parallel, each
-// started, run item by item and finished, then the key splits merged.
-template <typename scalar_t>
+// Paged attention in one ISA build for queries and outputs of q_t and a cache of scalar_t (q_t,
+// or an 8-bit format): the tasks in parallel, each started, run item by item and finished, then
+// the key splits merged.
+template <typename q_t, typename scalar_t>
 void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& tasks) {
   using Traits = PagedKernelTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
@@ -1214,12 +1362,12 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
     for (int64_t index = begin; index < end; ++index) {
       const PagedTask task = plan_task<scalar_t>(p, plan, index);
       if (task.rows == 0) continue;
-      start_task(p, task, scratch, bf16_dots);
+      start_task<q_t>(p, task, scratch, bf16_dots);
       run_task_items(p, task, scratch, bf16_dots);
-      finish_task(p, task, scratch);
+      finish_task<q_t>(p, task, scratch);
     }
   });
-  if (plan.splits > 1) merge_split_outputs<scalar_t>(p);
+  if (plan.splits > 1) merge_split_outputs<q_t>(p);
 }
 
 template <typename scalar_t>
@@ -1246,8 +1394,19 @@ void merge_states_kernel(const MergeStatesParams& p) {
 }
 
 void paged_attention(const PagedAttentionParams& params, const PagedTaskPlan& plan) {
-  dispatch_dtype(params.dtype,
-                 [&](auto tag) { paged_attention_kernel<decltype(tag)>(params, plan); });
+  dispatch_dtype(params.dtype, [&](auto tag) {
+    using q_t = decltype(tag);
+    if constexpr (std::is_same_v<q_t, double>) {  // the op layer gives 8-bit caches no fp64 q
+      paged_attention_kernel<q_t, q_t>(params, plan);
+    } else {
+      switch (params.format) {
+        case CacheFormat::kInt8: return paged_attention_kernel<q_t, int8_t>(params, plan);
+        case CacheFormat::kFloat8E4M3:
+          return paged_attention_kernel<q_t, c10::Float8_e4m3fn>(params, plan);
+        case CacheFormat::kPlain: return paged_attention_kernel<q_t, q_t>(params, plan);
+      }
+    }
+  });
 }
 
 void merge_attention_states(const MergeStatesParams& params) {

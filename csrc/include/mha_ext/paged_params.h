@@ -20,6 +20,23 @@ struct TokenStrides {
   int64_t head = 0;
 };
 
+// How a paged cache stores K and V: in the dtype of the rows it caches, or in 8 bits with
+// fp32 scales (QuantScales), dequantized as the kernels read them.
+//  - kInt8: symmetric int8, one scale per (token, kv head) row: scale = absmax(row) / 127,
+//    stored = clamp(round_half_to_even(x / scale), -127, 127) (0 for an all-zero row, whose
+//    scale is 0); x_hat = stored * scale.
+//  - kFloat8E4M3: float8_e4m3fn with one scale per cache tensor: stored = the e4m3fn nearest
+//    (ties to even) to x / scale saturated to +-448; x_hat = stored * scale.
+enum class CacheFormat : int32_t { kPlain, kInt8, kFloat8E4M3 };
+
+// The scales of one 8-bit cache tensor. The kernels only read through `per_row`, the append
+// writes through it.
+struct QuantScales {
+  float* per_row = nullptr;  // kInt8: [num_blocks, num_kv_heads, block_size] through `strides`
+  CacheStrides strides;
+  float per_tensor = 1.f;  // kFloat8E4M3 (1 otherwise)
+};
+
 struct PagedAppendParams {
   const void* key = nullptr;              // [num_tokens, num_kv_heads, head_dim]
   const void* value = nullptr;            // [num_tokens, num_kv_heads, head_dim_v]
@@ -32,13 +49,18 @@ struct PagedAppendParams {
   int64_t head_dim_v = 0;
   int64_t num_blocks = 0;
   int64_t block_size = 0;
-  int64_t element_size = 0;  // bytes; appending is a copy, so any dtype works
+  int64_t element_size = 0;       // bytes of a key element; a plain cache takes a copy of any dtype
+  DType dtype = DType::kFloat32;  // of key and value; an 8-bit cache quantizes them
+  CacheFormat format = CacheFormat::kPlain;
+  QuantScales k_scales, v_scales;
   TokenStrides key_strides, value_strides;
   CacheStrides k_cache_strides, v_cache_strides;
 };
 
 struct PagedAttentionParams {
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;  // of q and out; and of the caches where format is kPlain
+  CacheFormat format = CacheFormat::kPlain;
+  QuantScales k_scales, v_scales;  // of an 8-bit cache (CacheFormat)
   const void* q = nullptr;        // [total_q, num_heads, head_dim], queries of all sequences packed
   const void* k_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim]
   const void* v_cache = nullptr;  // [num_blocks, num_kv_heads, block_size, head_dim_v]

@@ -1,0 +1,444 @@
+"""8-bit paged KV caches (int8 with per-row scales, float8_e4m3fn with per-tensor scales):
+exact quantizing appends, paged attention over the values the cache holds, bad input."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mha_ext
+from mha_ext.reference import (
+    dequantize_cache,
+    paged_attention_reference,
+    quantize_float8,
+    quantize_int8,
+)
+
+from conftest import OUTPUT_FACTOR, assert_within_rule, seeded_generator
+from test_paged import feature_arguments
+
+FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# fp8's per-tensor scales: not 1, so that a kernel that ignores one is caught.
+FP8_SCALES = {"k_scale": 0.5, "v_scale": 2.0}
+
+
+def new_cache(fmt, num_blocks, kv_heads, block_size, head_dim, layout="HND"):
+    """(k_cache, v_cache, scale arguments) of an 8-bit cache poisoned everywhere: int8 rows
+    of 127 with NaN scales, fp8 rows of 448 (its largest value; the kernels read the NaN
+    encoding as 480, so a finite poison is what shows a stray read as well)."""
+    dtype = FORMATS[fmt]
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    poison = 127 if fmt == "int8" else 448.0
+
+    def make(row_shape, dtype, fill):
+        storage_shape = (num_blocks, block_size, kv_heads, *row_shape)
+        if layout == "HND":
+            return torch.full((num_blocks, kv_heads, block_size, *row_shape), fill, dtype=dtype)
+        return torch.full(storage_shape, fill, dtype=dtype).transpose(1, 2)
+
+    k_cache, v_cache = make(shape[3:], dtype, poison), make(shape[3:], dtype, poison)
+    if fmt == "int8":
+        scales = {
+            "k_scales": make((), torch.float32, float("nan")),
+            "v_scales": make((), torch.float32, float("nan")),
+        }
+    else:
+        scales = dict(FP8_SCALES)
+    return k_cache, v_cache, scales
+
+
+def dequantized(cache, scales, which, dtype=torch.float64):
+    return dequantize_cache(
+        cache, scales.get(f"{which}_scales"), scales.get(f"{which}_scale", 1.0), dtype
+    )
+
+
+def bits(t):
+    """A tensor's bytes, so that NaNs compare equal."""
+    return t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
+
+
+# ---------------------------------------------------------------- append
+
+
+def expected_rows(fmt, rows, scales, which):
+    """(stored rows, their int8 scales or None) that appending `rows` must write."""
+    if fmt == "int8":
+        return quantize_int8(rows)
+    return quantize_float8(rows, scales[f"{which}_scale"]), None
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_append_writes_exactly_the_quantized_rows(fmt, dtype, block_size, layout):
+    num_blocks, kv_heads, head_dim = 5, 2, 40
+    k_cache, v_cache, scales = new_cache(fmt, num_blocks, kv_heads, block_size, head_dim, layout)
+    capacity = num_blocks * block_size
+    slots = torch.tensor([3, -1, capacity - 1, 0, -1, 2], dtype=torch.int64) % (capacity + 1)
+    slots = torch.where(slots >= capacity, -1, slots)
+    generator = seeded_generator(1)
+    key = (torch.randn(len(slots), kv_heads, head_dim, generator=generator) * 3).to(dtype)
+    value = (torch.randn(len(slots), kv_heads, head_dim, generator=generator) * 300).to(dtype)
+    key[0, 0] = 0.0  # an all-zero row: scale 0
+    # Ties of int8's rounding (scale 1: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2) and of e4m3's (1.0625
+    # lies halfway between 1 and 1.125, 1.1875 between 1.125 and 1.25), fp8 subnormals.
+    key[3, 1, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 1.0625, 1.1875])
+    key[3, 1, 6:9] = torch.tensor([2.0**-8, -(2.0**-9), 3 * 2.0**-10])
+    expected = {"k": k_cache.clone(), "v": v_cache.clone()}
+    expected_scales = {w: scales.get(f"{w}_scales") for w in "kv"}
+    expected_scales = {w: s.clone() if s is not None else None for w, s in expected_scales.items()}
+    for which, rows in (("k", key), ("v", value)):
+        stored, row_scales = expected_rows(fmt, rows, scales, which)
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                expected[which][slot // block_size, :, slot % block_size] = stored[token]
+                if row_scales is not None:
+                    expected_scales[which][slot // block_size, :, slot % block_size] = row_scales[
+                        token
+                    ]
+    mha_ext.paged_kv_append(key, value, k_cache, v_cache, slots, **scales)
+    assert torch.equal(bits(k_cache), bits(expected["k"]))
+    assert torch.equal(bits(v_cache), bits(expected["v"]))
+    if fmt == "int8":
+        assert torch.equal(bits(scales["k_scales"]), bits(expected_scales["k"]))
+        assert torch.equal(bits(scales["v_scales"]), bits(expected_scales["v"]))
+        assert scales["k_scales"][3 // block_size, 0, 3 % block_size] == 0  # the zero row
+
+
+def test_reference_quantizers_round_half_to_even_and_saturate():
+    stored, scale = quantize_int8(torch.tensor([[127.0, 0.5, 1.5, -2.5, 2.5]]))
+    assert scale.item() == 1.0 and stored.tolist() == [[127, 0, 2, -2, 2]]
+    fp8 = quantize_float8(torch.tensor([1.0625, 1.1875, 1000.0, -1000.0]), 1.0)
+    assert fp8.float().tolist() == [1.0, 1.25, 448.0, -448.0]
+
+
+def append_case(fmt):
+    k_cache, v_cache, scales = new_cache(fmt, 4, 2, 4, 8)
+    if fmt == "int8":  # written scales, so that "unchanged" covers them
+        scales["k_scales"].copy_(torch.rand(4, 2, 4))
+        scales["v_scales"].copy_(torch.rand(4, 2, 4))
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    return key, value, k_cache, v_cache, torch.tensor([0, 1, 2]), scales
+
+
+def bad_append_inputs(fmt):
+    """(what is wrong, argument changes, the error it must raise)."""
+    if fmt == "int8":
+        return [
+            ("no scales", dict(k_scales=None), r"an int8 k_cache needs k_scales, its fp32 scales"),
+            (
+                "scale shape",
+                dict(v_scales=torch.zeros(4, 2, 5)),
+                r"v_scales must have shape \[num_blocks, num_kv_heads, block_size\] = \[4, 2, 4\]"
+                r" \(v_cache's\), got \[4, 2, 5\]",
+            ),
+            (
+                "scale dtype",
+                dict(k_scales=torch.zeros(4, 2, 4, dtype=torch.float64)),
+                r"k_scales must be torch.float32, got torch.float64",
+            ),
+            (
+                "per-tensor scale",
+                dict(k_scale=2.0),
+                r"k_scale must be 1.0 for an int8 k_cache \(its scales are per row",
+            ),
+            ("bad slot", dict(slot_mapping=torch.tensor([0, 16, 1])), r"slot_mapping\[1\] = 16"),
+            (
+                "fp64 rows",
+                dict(key=torch.randn(3, 2, 8, dtype=torch.float64)),
+                r"a torch.int8 cache takes key in torch.float32, torch.bfloat16 or torch.float16,"
+                r" got torch.float64",
+            ),
+        ]
+    return [
+        ("zero scale", dict(k_scale=0.0), r"k_scale must be finite and > 0 for a "),
+        ("negative", dict(v_scale=-1.0), r"v_scale must be finite and > 0 .* got -1"),
+        ("NaN", dict(k_scale=float("nan")), r"k_scale must be finite and > 0 .* got nan"),
+        ("inf", dict(v_scale=float("inf")), r"v_scale must be finite and > 0 .* got inf"),
+        ("too small for fp32", dict(k_scale=1e-60), r"k_scale = 1e-60 is outside fp32's range"),
+        (
+            "scale tensor",
+            dict(k_scales=torch.ones(4, 2, 4)),
+            r"k_scales is only for int8 caches, but k_cache is torch.float8_e4m3fn",
+        ),
+        ("bad slot", dict(slot_mapping=torch.tensor([0, -3, 1])), r"slot_mapping\[1\] = -3"),
+        (
+            "mixed rows",
+            dict(value=torch.randn(3, 2, 8).bfloat16()),
+            r"value has dtype torch.bfloat16 but key has torch.float32",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bad_append_raises_and_changes_nothing(fmt, host_index_checks):
+    for what, changes, message in bad_append_inputs(fmt):
+        key, value, k_cache, v_cache, slots, scales = append_case(fmt)
+        arguments = dict(key=key, value=value, slot_mapping=slots, **scales)
+        arguments.update(changes)
+        before = [bits(t).clone() for t in (k_cache, v_cache, *scales_of(scales))]
+        with pytest.raises(RuntimeError, match=message):
+            mha_ext.paged_kv_append(
+                arguments.pop("key"),
+                arguments.pop("value"),
+                k_cache,
+                v_cache,
+                arguments.pop("slot_mapping"),
+                **arguments,
+            )
+        after = [bits(t) for t in (k_cache, v_cache, *scales_of(scales))]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), what
+
+
+def scales_of(scales):
+    return [t for t in scales.values() if isinstance(t, torch.Tensor)]
+
+
+def test_plain_caches_refuse_scales():
+    k_cache, v_cache = torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8)
+    key, slots = torch.randn(3, 2, 8), torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match=r"k_scales is only for int8 caches, but k_cache is"):
+        mha_ext.paged_kv_append(key, key, k_cache, v_cache, slots, k_scales=torch.ones(4, 2, 4))
+    with pytest.raises(RuntimeError, match=r"v_scale is only for float8_e4m3fn caches, but"):
+        mha_ext.paged_kv_append(key, key, k_cache, v_cache, slots, v_scale=2.0)
+    assert not k_cache.any() and not v_cache.any()
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def build_quantized(
+    fmt, lengths, queries, heads, kv_heads, head_dim, block_size, dtype, layout="HND", seed=0
+):
+    """An 8-bit cache holding sequences of the given lengths at shuffled blocks (appended
+    through the op), poisoned everywhere else (new_cache), and the packed queries."""
+    generator = seeded_generator(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_seq) + 3  # three blocks nobody uses
+    k_cache, v_cache, scales = new_cache(fmt, num_blocks, kv_heads, block_size, head_dim, layout)
+    order = torch.randperm(num_blocks, generator=seeded_generator(seed + 1))
+    tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        tables[b, : blocks_per_seq[b]] = order[used : used + blocks_per_seq[b]].int()
+        used += blocks_per_seq[b]
+        k = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=generator).to(dtype)
+        slots = mha_ext.slot_mapping_for(tables[b], torch.arange(n), block_size)
+        mha_ext.paged_kv_append(k, v, k_cache, v_cache, slots, **scales)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(queries).cumsum(0)
+    q = torch.randn(int(cu[-1]), heads, head_dim, generator=generator).to(dtype)
+    index = (tables, torch.tensor(lengths, dtype=torch.int32), cu)
+    return q, k_cache, v_cache, index, scales
+
+
+def check_quantized_attention(
+    fmt, lengths, queries, heads, kv_heads, head_dim, block_size, dtype, arguments, layout="HND"
+):
+    """paged_attention over the 8-bit cache against the float64 paged reference over the
+    values the cache holds (dequantized), by the accuracy rule."""
+    q, k_cache, v_cache, index, scales = build_quantized(
+        fmt, lengths, queries, heads, kv_heads, head_dim, block_size, dtype, layout
+    )
+    out, lse = mha_ext.paged_attention(
+        q, k_cache, v_cache, *index, return_lse=True, **arguments, **scales
+    )
+    k64, v64 = dequantized(k_cache, scales, "k"), dequantized(v_cache, scales, "v")
+    ref, ref_lse = paged_attention_reference(q.double(), k64, v64, *index, **arguments)
+    plain, _ = paged_attention_reference(q, k64.to(dtype), v64.to(dtype), *index, **arguments)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2]
+    assert_within_rule(out, ref, plain, OUTPUT_FACTOR, f"{fmt} {sorted(arguments)} output")
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+QUERY_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("mode", ["decode", "chunked_prefill"])
+@pytest.mark.parametrize("feature", ["none", "window", "softcap", "alibi", "sinks", "all"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_matches_reference_with_features(fmt, feature, mode, layout):
+    # GQA 8/2: a decode tile is a kv head's 4 query heads (the direct path), a prefill chunk
+    # of 17 or 70 queries goes through gathered tiles; windows start inside tiles and blocks.
+    lengths = [1, 40, 300]
+    queries = [1, 1, 1] if mode == "decode" else [1, 17, 70]
+    arguments = {} if feature == "none" else feature_arguments(feature, 8, len(lengths))
+    dtype = QUERY_DTYPES[(len(feature) + len(mode)) % 3]  # each dtype meets every feature
+    check_quantized_attention(fmt, lengths, queries, 8, 2, 64, 16, dtype, arguments, layout)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_block_sizes_and_groups(fmt, block_size, heads):
+    lengths, queries = [1, 33, 130], [1, 9, 3]
+    check_quantized_attention(fmt, lengths, queries, *heads, 48, block_size, torch.float32, {})
+
+
+@pytest.mark.parametrize("dtype", QUERY_DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype):
+    # Chunks of 1..9 queries of one kv head: each direct-path row count and the gathered
+    # path, head dim 40 (a ragged last vector), every score feature on.
+    queries = list(range(1, 10))
+    lengths = [q + 90 for q in queries]
+    arguments = feature_arguments("all", 8, len(lengths))
+    check_quantized_attention(fmt, lengths, queries, 8, 1, 40, 16, dtype, arguments)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_key_splits(fmt):
+    # At 4 threads one sequence's tasks leave threads idle and its keys split; the sinks
+    # join in the merge of the splits.
+    arguments = feature_arguments("sinks", 8, 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        check_quantized_attention(fmt, [3000], [1], 8, 1, 64, 16, torch.float32, arguments)
+        check_quantized_attention(fmt, [1200], [24], 8, 2, 64, 16, torch.bfloat16, arguments)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_attention_argument_errors():
+    q, k_cache, v_cache, index, scales = build_quantized(
+        "int8", [20], [1], 4, 2, 32, 8, torch.float32
+    )
+    attend = mha_ext.paged_attention
+    with pytest.raises(RuntimeError, match=r"an int8 v_cache needs v_scales"):
+        attend(q, k_cache, v_cache, *index, k_scales=scales["k_scales"])
+    with pytest.raises(RuntimeError, match=r"k_scales must have shape .* got \[3, 2, 8\]"):
+        attend(q, k_cache, v_cache, *index, **{**scales, "k_scales": torch.ones(3, 2, 8)})
+    with pytest.raises(RuntimeError, match=r"takes q in torch.float32, .* got torch.float64"):
+        attend(q.double(), k_cache, v_cache, *index, **scales)
+    fp8 = k_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"v_scale must be finite and > 0 .* got 0"):
+        attend(q, fp8, fp8, *index, v_scale=0.0)
+    with pytest.raises(RuntimeError, match=r"k_cache has dtype torch.int8 but v_cache has"):
+        attend(q, k_cache, fp8, *index, **scales)
+
+
+def test_quantized_ops_opcheck():
+    # The schemas' aliasing (k_scales / v_scales written by the append) and the fakes.
+    q, k_cache, v_cache, index, scales = build_quantized(
+        "int8", [20, 9], [1, 4], 4, 2, 32, 8, torch.float32
+    )
+    scales = {name: t.nan_to_num(0.0) for name, t in scales.items()}
+    scale_args = (scales["k_scales"], scales["v_scales"])
+    torch.library.opcheck(
+        torch.ops.mha_ext.paged_attention.default,
+        (q, k_cache, v_cache, *index, 0.2, -1, 0.0, None, None, *scale_args),
+    )
+    torch.library.opcheck(
+        torch.ops.mha_ext.paged_kv_append.default,
+        (torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, v_cache, torch.tensor([0, -1, 9]))
+        + scale_args,
+    )
+    # (No float8_e4m3fn case: opcheck's schema check multiplies the tensors it compares,
+    # which torch does not implement for float8_e4m3fn.)
+
+
+# ---------------------------------------------------------------- forced ISAs
+
+TESTS = Path(__file__).resolve().parent
+# The decode and prefill paths (direct rows, gathered tiles, features) under each ISA build.
+FORCED_ISA_SELECTION = "attention_matches_reference_with_features and HND or every_direct_row"
+BUILDS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_forced_isa_builds(isa):
+    if os.environ.get("MHA_EXT_CPU_ISA"):
+        pytest.skip("already running under a forced ISA")
+    info = mha_ext.build_info()
+    if isa not in info["cpu_isas"]:
+        pytest.skip(f"{isa} is not compiled on this platform")
+    if BUILDS[isa] == BUILDS[info["cpu_isa"]]:
+        pytest.skip(f"{isa} runs the build this CPU's best ISA runs, which the suite tests")
+    env = {**os.environ, "MHA_EXT_CPU_ISA": isa}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mha_ext"], env=env, capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"this CPU cannot run {isa}")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            FORCED_ISA_SELECTION,
+            str(TESTS / "test_paged_quant.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- cache object and module
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_cache_allocates_scales_like_the_caches(layout):
+    cache = mha_ext.PagedKVCache(2, 6, 4, 3, 16, dtype=torch.int8, layout=layout)
+    for k, scales in zip(cache.key_caches, cache.key_scales):
+        assert k.dtype == torch.int8 and k.shape == (6, 3, 4, 16)
+        assert scales.dtype == torch.float32 and scales.shape == (6, 3, 4)
+        assert (scales.stride(1) < scales.stride(2)) == (layout == "NHD")
+    fp8 = mha_ext.PagedKVCache(1, 6, 4, 3, 16, dtype=torch.float8_e4m3fn, k_scale=0.25)
+    assert fp8.key_scales == [None] and fp8.scale_arguments(0)["k_scale"] == 0.25
+    with pytest.raises(ValueError, match=r"k_scale and v_scale must be finite and > 0"):
+        mha_ext.PagedKVCache(1, 6, 4, 3, 16, dtype=torch.float8_e4m3fn, v_scale=0.0)
+    with pytest.raises(ValueError, match=r"must stay 1.0 for a torch.int8 cache"):
+        mha_ext.PagedKVCache(1, 6, 4, 3, 16, dtype=torch.int8, k_scale=2.0)
+
+
+def test_fork_copies_the_scales_of_a_shared_block():
+    cache = mha_ext.PagedKVCache(1, 4, 4, 1, 8, dtype=torch.int8)
+    parent = cache.allocate()
+    batch = cache.prepare([parent], [2])
+    mha_ext.paged_kv_append(
+        *(torch.randn(2, 1, 8),) * 2,
+        cache.key_caches[0],
+        cache.value_caches[0],
+        batch.slot_mapping,
+        **cache.scale_arguments(0),
+    )
+    child = cache.fork(parent)
+    cache.prepare([child], [1])
+    shared, private = cache.block_table(parent)[0], cache.block_table(child)[0]
+    assert shared != private
+    assert torch.equal(cache.key_scales[0][private], cache.key_scales[0][shared])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_module_forward_paged_over_an_8bit_cache(fmt):
+    # The module's paged forward over an 8-bit cache stays close to an fp32 cache's.
+    torch.manual_seed(0)
+    attn = mha_ext.MultiHeadAttention(64, 4, num_kv_heads=2, dropout=0.0).eval()
+    outputs = {}
+    for dtype in (torch.float32, FORMATS[fmt]):
+        cache = mha_ext.PagedKVCache(1, 8, 16, 2, 16, dtype=dtype)
+        seqs = [cache.allocate(), cache.allocate()]
+        x = torch.randn(30, 64, generator=seeded_generator(2))
+        with torch.no_grad():
+            first = attn.forward_paged(x[:26], cache, 0, cache.prepare(seqs, [20, 6]))
+            step = attn.forward_paged(x[26:28], cache, 0, cache.prepare(seqs, [1, 1]))
+        outputs[dtype] = torch.cat([first, step])
+    exact, quantized = outputs.values()
+    relative = (quantized - exact).norm() / exact.norm()
+    assert relative < (0.02 if fmt == "int8" else 0.1), relative.item()
