@@ -139,18 +139,10 @@ def simulate(fmt: str, data: Data) -> Tensor:
     return attention64(data.q, k, v)
 
 
-def scale_arguments(cache: PagedKVCache, layer: int) -> Dict[str, object]:
-    """The scale keyword arguments of paged_kv_append / paged_attention for a layer."""
-    if cache.key_caches[layer].dtype == torch.int8:
-        return {"k_scales": cache.key_scales[layer], "v_scales": cache.value_scales[layer]}
-    if cache.key_caches[layer].dtype == torch.float8_e4m3fn:
-        return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
-    return {}
-
-
 def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
-    """mha_ext's append and paged attention over a cache of the format's dtype (fp32 inputs,
-    one sequence) -> (heads, D) fp32."""
+    """mha_ext's append and paged attention over a cache of the format's dtype, one sequence
+    -> (heads, D). An 8-bit cache takes the fp32 q, K and V as they are; a bf16 cache takes
+    them in bf16 (its output is bf16 too), as a bf16 model gives them."""
     context, kv_heads, head_dim = data.k.shape
     scales = dict(zip(("k_scale", "v_scale"), fp8_scales(fmt, data))) if "fp8" in fmt else {}
     cache = PagedKVCache(
@@ -166,10 +158,12 @@ def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
     seq = cache.allocate()
     batch = cache.prepare([seq], [context])
     k_cache, v_cache = cache.key_caches[0], cache.value_caches[0]
-    quantization = scale_arguments(cache, 0)
-    mha_ext.paged_kv_append(data.k, data.v, k_cache, v_cache, batch.slot_mapping, **quantization)
+    quantization = cache.scale_arguments(0)
+    rows_dtype = torch.float32 if quantization else k_cache.dtype
+    q, k, v = (t.to(rows_dtype) for t in (data.q, data.k, data.v))
+    mha_ext.paged_kv_append(k, v, k_cache, v_cache, batch.slot_mapping, **quantization)
     return mha_ext.paged_attention(
-        data.q[None],  # (1, heads, D): one query
+        q[None],  # (1, heads, D): one query
         k_cache,
         v_cache,
         batch.block_tables,
