@@ -20,6 +20,14 @@ from mha_ext.bench import attention_case, report, roofline, run_case
 from mha_ext.models import CausalLM, pack_documents
 
 PROMPTS = ["Attention ", "The cache ", "A fused kernel "]
+# --kv-cache-dtype: the generation cache's element type; the 8-bit ones halve bf16's bytes
+# (int8 with a scale per token and kv head, fp8 e4m3 at unit scale).
+KV_CACHE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
 # Document lengths are drawn uniformly from [MIN_DOCUMENT, context]: a spread of 8x at the
 # demo's context of 64, where a document of 8 characters still holds a word or two.
 MIN_DOCUMENT = 8
@@ -82,12 +90,17 @@ def train(steps: int, batch: int, context: int):
     return model.eval(), alphabet
 
 
-def generate(model: CausalLM, alphabet, new_tokens: int):
+def generate(model: CausalLM, alphabet, new_tokens: int, kv_cache_dtype: str = "fp32"):
     prompts = [[alphabet.index(c) for c in prompt] for prompt in PROMPTS]
     start = time.perf_counter()
-    outputs = model.generate(prompts, new_tokens, block_size=16)
+    outputs = model.generate(
+        prompts, new_tokens, block_size=16, kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype]
+    )
     elapsed = time.perf_counter() - start
-    print(f"\ngreedy generation, {len(prompts)} prompts batched through the paged KV cache:")
+    print(
+        f"\ngreedy generation, {len(prompts)} prompts batched through the paged KV cache "
+        f"({kv_cache_dtype}):"
+    )
     for prompt, tokens in zip(PROMPTS, outputs):
         print(f"  {prompt!r} -> {''.join(alphabet[t] for t in tokens)!r}")
     print(f"  {len(prompts) * new_tokens / elapsed:.0f} tokens/s generated")
@@ -115,6 +128,12 @@ def main():
     parser = argparse.ArgumentParser(description="mha_ext demonstration")
     parser.add_argument("--steps", type=int, default=250, help="training steps")
     parser.add_argument("--quick", action="store_true", help="smaller speed comparison")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="fp32",
+        choices=list(KV_CACHE_DTYPES),
+        help="element type of the generation's paged KV cache",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     info = mha_ext.build_info()
@@ -124,7 +143,7 @@ def main():
         f"CUDA archs: {', '.join(info['cuda_archs']) or 'none'})"
     )
     model, alphabet = train(args.steps, batch=16, context=64)
-    generate(model, alphabet, new_tokens=24 if args.quick else 48)
+    generate(model, alphabet, 24 if args.quick else 48, args.kv_cache_dtype)
     compare_speed(args.quick)
 
 

@@ -109,13 +109,29 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, block_size: int = 16
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        block_size: int = 16,
+        kv_cache_dtype: Optional[torch.dtype] = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> List[List[int]]:
         """Greedy continuation of a batch of prompts of different lengths.
 
         The prompts are prefilled together (packed, one chunk each), then every step decodes
         one token per sequence; keys and values stay in a paged cache, so a step costs the same
         cache write however long the context is. Returns the new tokens of each prompt.
+
+        Args:
+            kv_cache_dtype: the cache's dtype: None (the model's), a float dtype, torch.int8
+                (one scale per token and kv head, set as each token is appended) or
+                torch.float8_e4m3fn (one scale per cache tensor: k_scale, v_scale). 8-bit
+                caches halve a bf16 cache's bytes; README "8-bit KV caches" has their error.
+            k_scale, v_scale: the fp8 cache's scales (keys and values are divided by them
+                before rounding to e4m3, whose largest value is 448); 1.0 as in vLLM, and
+                for every other cache.
         """
         longest = max(len(p) for p in prompts) + max_new_tokens
         if min(len(p) for p in prompts) == 0 or longest > self.context:
@@ -133,8 +149,10 @@ class CausalLM(nn.Module):
             block_size,
             self.num_kv_heads,
             self.head_dim,
-            dtype=self.head.weight.dtype,
+            dtype=kv_cache_dtype or self.head.weight.dtype,
             device=device,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         seq_ids = [cache.allocate() for _ in prompts]
         batch = cache.prepare(seq_ids, [len(p) for p in prompts])

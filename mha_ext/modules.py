@@ -316,6 +316,10 @@ class MultiHeadAttention(nn.Module):
         value = self.w_v(x).unflatten(-1, (self.num_kv_heads, self.d_k))  # (T, Hkv, d_k)
         k_cache, v_cache = cache.key_caches[layer], cache.value_caches[layer]
         scales = cache.scale_arguments(layer)  # an 8-bit cache's
+        # An 8-bit cache takes fp32, bf16 or fp16 rows and queries; a float cache of another
+        # dtype than the module's (a bf16 cache under an fp32 model) takes them in its own.
+        rows_dtype = query.dtype if scales else k_cache.dtype
+        key, value, query = (t.to(rows_dtype) for t in (key, value, query))
         functional.paged_kv_append(key, value, k_cache, v_cache, batch.slot_mapping, **scales)
         out = functional.paged_attention(
             query,
@@ -327,7 +331,7 @@ class MultiHeadAttention(nn.Module):
             **self._paged_score_options(),
             **scales,
         )  # (T, H, d_k)
-        return self.w_o(out.flatten(-2))
+        return self.w_o(out.flatten(-2).to(x.dtype))
 
     def _score_options(self) -> Dict[str, object]:
         """The score options of mha_ext.attention / attention_varlen for this module."""

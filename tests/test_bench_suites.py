@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mha_ext.bench import suites
+from mha_ext.bench.__main__ import main as bench_main
 
 
 def run_bench(tmp_path, *arguments):
@@ -94,3 +97,32 @@ def test_context_parallel_suite_reports_ranks_bytes_overlap_and_memory(tmp_path)
         assert 0.0 <= case["hidden_communication_share"] <= 1.0
         assert case["compute_only_seconds"] > 0 and case["communication_only_seconds"] > 0
     assert "hidden = 1 - (step - compute-only) / communication-only" in result.stdout
+
+
+@pytest.mark.cpu_only  # the bench runs on --device cpu either way
+def test_paged_decode_times_each_8bit_cache_against_a_bf16_cache(tmp_path, monkeypatch, capsys):
+    # In process, with no CPU cache to overflow: one layer per case instead of the hundreds
+    # a tiny context needs to fill twice this VM's reported 480 MiB L3.
+    monkeypatch.setattr(suites, "cpu_cache_bytes", lambda: 0)
+    arguments = ["--suite", "paged_decode", "--context", "32", "--decode-batch", "2"]
+    arguments += ["--kv-cache-only", "--dtype", "float32", "--repeats", "1", "--no-plots"]
+    bench_main([*arguments, "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    cases = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["params"]["kv_cache_dtype"] for r in cases] == list(suites.KV_CACHE_DTYPES)
+    for case in cases:
+        assert case["baseline"] == "bf16_cache" and case["unsupported"] == {}, case
+        assert set(case["results"]) == {"mha_ext", "bf16_cache"}
+        params = case["params"]
+        shape = (params["heads"], params["kv_heads"], params["head_dim"])
+        assert shape == suites.QUANTIZED_DECODE_SHAPE[1:]
+        # Throughput is of the bytes each cache holds: bf16's are 2x the 8-bit values, int8
+        # adds a 4-byte scale per token and kv head to each row of head_dim bytes.
+        timed = case["results"]
+        bytes_ratio = timed["bf16_cache"]["seconds_per_call"] * timed["bf16_cache"]["throughput"]
+        bytes_ratio /= timed["mha_ext"]["seconds_per_call"] * timed["mha_ext"]["throughput"]
+        scales = 4 if params["kv_cache_dtype"] == "int8" else 0
+        head_dim = params["head_dim"]
+        assert abs(bytes_ratio - 2 * head_dim / (head_dim + scales)) < 1e-9
+    assert "decode over 8-bit caches against a bf16 cache" in stdout
+    assert "int8 cache" in stdout and "fp8 cache" in stdout

@@ -101,6 +101,7 @@ def test_bench_suites_write_json_and_tables(tmp_path):
             "--append-context",
             "64",
             "256",
+            "--kv-cache-dtype",  # none: test_bench_suites times the 8-bit caches, in process
             "--dtype",
             "float32",
             "--repeats",
@@ -161,6 +162,7 @@ def test_kv_cache_script_runs_the_cache_suites(tmp_path):
             "64",
             "--append-context",
             "64",
+            "--kv-cache-dtype",  # none, as above
             "--dtype",
             "bfloat16",
             "--repeats",

@@ -3,6 +3,8 @@
     python -m mha_ext.bench --quick                      # every suite, small, under 2 minutes
     python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
     python -m mha_ext.bench --suite context_parallel --world 2   # ring and ulysses on 2 ranks
+    python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16 \
+        --kv-cache-dtype int8 fp8 --kv-cache-only        # 8-bit caches against a bf16 cache
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
 machine's roofline, measured side by side with each case), and writes results.json and one
@@ -20,7 +22,7 @@ import torch
 import mha_ext
 
 from . import context_parallel, report, roofline
-from .suites import DECODE_BATCH, MODELS, SUITES, build_cases, run_case
+from .suites import DECODE_BATCH, KV_CACHE_DTYPES, MODELS, SUITES, build_cases, run_case
 
 QUICK = {
     "models": ["gpt2-small", "llama2-70b"],
@@ -101,6 +103,18 @@ def parse_args(argv):
     parser.add_argument(
         "--world", type=int, default=2, help="ranks the context_parallel suite spawns (gloo, CPU)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="*",
+        default=list(KV_CACHE_DTYPES),
+        choices=list(KV_CACHE_DTYPES),
+        help="8-bit caches the decode suite times against a bf16 cache (none: leave them out)",
+    )
+    parser.add_argument(
+        "--kv-cache-only",
+        action="store_true",
+        help="the decode suite's 8-bit cache cases alone",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--repeats", type=int, help="timed repeats per case (median); default 3 quick, 5 full"
@@ -153,6 +167,8 @@ def main(argv=None):
         args.decode_batch,
         args.append_batch,
         args.varlen_tokens or sizes["varlen_tokens"],
+        args.kv_cache_dtype,
+        args.kv_cache_only,
     )
     progress = Progress(len(factories))
     results = []

@@ -37,9 +37,31 @@ def _contenders(results: List[Dict]) -> List[str]:
 def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) -> str:
     """One suite's table: each contender's throughput (time per call in PER_CALL_SUITES),
     mha_ext's ratio to the baseline and its fraction of the roofline measured with the case
-    (run_case)."""
+    (run_case). The decode suite's 8-bit cache cases get a table of their own."""
     if suite == "context_parallel":
         return _context_parallel_table(results)
+    quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
+    results = [r for r in results if not r["params"].get("kv_cache_dtype")]
+    lines = _contender_table(suite, results) if results else []
+    if quantized:
+        lines += _quantized_decode_table(quantized)
+    lines.append(
+        "roofline: "
+        + ", ".join(
+            _roofline_summary(key, roofline[key], results + quantized)
+            for key in sorted({r["roofline"] for r in results + quantized})
+        )
+    )
+    if suite == "cache_append":
+        lines += _append_summary(results)
+    if suite == "varlen":
+        lines += _varlen_summary(results)
+    if suite == "integrations":
+        lines += _integrations_summary(results)
+    return "\n".join(lines)
+
+
+def _contender_table(suite: str, results: List[Dict]) -> List[str]:
     contenders = _contenders(results)
     per_call = suite in PER_CALL_SUITES
     unit = "us per call" if per_call else results[0]["unit"]
@@ -63,20 +85,41 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
         line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
         lines.append(line)
-    lines.append(
-        "roofline: "
-        + ", ".join(
-            _roofline_summary(key, roofline[key], results)
-            for key in sorted({r["roofline"] for r in results})
-        )
-    )
-    if suite == "cache_append":
-        lines += _append_summary(results)
-    if suite == "varlen":
-        lines += _varlen_summary(results)
-    if suite == "integrations":
-        lines += _integrations_summary(results)
-    return "\n".join(lines)
+    return lines
+
+
+def _quantized_decode_table(results: List[Dict]) -> List[str]:
+    """Decode over an 8-bit cache (mha_ext) against the same step over a bf16 cache
+    (bf16_cache), interleaved in one run: tokens/s of one layer's step, their ratio, and each
+    one's GB/s of the bytes its cache holds for the step (scales included) as a % of the
+    streaming read measured with the case."""
+    label_width = max(len(r["label"]) for r in results) + 2
+    columns = ["tokens/s", "bf16 cache tokens/s", "vs bf16 cache", "GB/s", "% stream read"]
+    columns.append("bf16 cache % stream")
+    header = f"{'case':<{label_width}}" + "".join(f"{c:>21}" for c in columns)
+    lines = [
+        "",
+        "decode over 8-bit caches against a bf16 cache (one layer's step; GB/s of the bytes "
+        "each cache holds for it, scales included)",
+        header,
+        "-" * len(header),
+    ]
+    for result in results:
+        timed, batch = result["results"], result["params"]["batch"]
+        line = f"{result['label']:<{label_width}}"
+        if "mha_ext" not in timed or "bf16_cache" not in timed:
+            missing = "; ".join(f"{k}: {v}" for k, v in result["unsupported"].items())
+            lines.append(line + f"  not timed: {missing}")
+            continue
+        quantized, bf16 = timed["mha_ext"], timed["bf16_cache"]
+        line += f"{batch / quantized['seconds_per_call']:>21.0f}"
+        line += f"{batch / bf16['seconds_per_call']:>21.0f}"
+        line += f"{quantized['speedup_vs_baseline']:>20.2f}x"
+        line += f"{quantized['throughput']:>21.1f}"
+        line += f"{100 * quantized['roofline_fraction']:>20.0f}%"
+        line += f"{100 * bf16['roofline_fraction']:>20.0f}%"
+        lines.append(line)
+    return lines
 
 
 def _context_parallel_table(results: List[Dict]) -> str:
@@ -215,8 +258,13 @@ def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
                     != panel
                 ):
                     continue
+                kv_cache = r["params"].get("kv_cache_dtype")
                 for name, entry in r["results"].items():
-                    lines.setdefault(f"{name} {r['params']['dtype']}", []).append(
+                    if kv_cache and name == "bf16_cache":
+                        continue  # the plain decode cases draw mha_ext over a bf16 cache
+                    line_label = f"{name} {r['params']['dtype']}"
+                    line_label += f" {kv_cache} cache" if kv_cache else ""
+                    lines.setdefault(line_label, []).append(
                         (r["params"][x_key], entry["throughput"])
                     )
             for line_label, points in sorted(lines.items()):

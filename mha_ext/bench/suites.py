@@ -85,6 +85,10 @@ DECODE_BATCH = 8
 # gpt-oss-style sinks.
 WINDOW_CONTEXT_FACTOR = 8
 SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
+# The 8-bit caches of the decode suite (--kv-cache-dtype), each timed against mha_ext over a
+# bf16 cache of the same keys and values, at the CPU performance targets' decode shape.
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED_DECODE_SHAPE = GQA_SHAPE
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
 # The step name of a case's roofline probe among its contenders' (run_case).
 ROOFLINE_PROBE = "roofline_probe"
@@ -110,6 +114,9 @@ class Case:
     baseline: str = "torch_sdpa"
     interleave: bool = True
     per_call: Dict[str, int] = field(default_factory=dict)  # calls per step, for per-call times
+    # Contender -> the work of its step where it differs from `work` (e.g. the bytes of a cache
+    # in another dtype).
+    work_by_contender: Dict[str, float] = field(default_factory=dict)
     # Contender -> context manager factory its step runs under (timed apart from the others,
     # as the state it sets, e.g. an active SDPA provider, is global).
     contexts: Dict[str, Callable[[], contextlib.AbstractContextManager]] = field(
@@ -353,6 +360,104 @@ def _decode_case(
     }
     return Case(
         "paged_decode", label, params, work_bytes, "GB/s", "stream_read", steps, baseline=baseline
+    )
+
+
+def cache_bytes_read(cache_dtype: torch.dtype, batch, kv_heads, keys, head_dim) -> int:
+    """Bytes of K and V one decode step reads from a cache of cache_dtype: the 8-bit values
+    plus, for int8, one fp32 scale per (token, kv head) of each."""
+    scale_bytes = 4 if cache_dtype == torch.int8 else 0
+    return 2 * batch * kv_heads * keys * (head_dim * cache_dtype.itemsize + scale_bytes)
+
+
+def _quantized_decode_case(
+    cache_name, name, heads, kv_heads, head_dim, context, dtype, device, batch, block_size=16
+) -> Case:
+    """One decode step of one layer over an 8-bit cache (KV_CACHE_DTYPES[cache_name], fp8 at
+    unit scale), against the same step over a bf16 cache of the same keys and values, the two
+    interleaved so their ratio comes from one run. q is in dtype; the bf16 cache's contender
+    gets it in bf16. As in _decode_case, the steps cycle through enough layers that the 8-bit
+    caches are twice the CPU's largest cache (the bf16 ones four times): every step reads
+    from memory. Work: the bytes each contender's cache holds for the step (scales included)."""
+    generator = torch.Generator().manual_seed(0)
+    cache_dtype = KV_CACHE_DTYPES[cache_name]
+    work_bytes = cache_bytes_read(cache_dtype, batch, kv_heads, context, head_dim)
+    bf16_bytes = cache_bytes_read(torch.bfloat16, batch, kv_heads, context, head_dim)
+    layers = max(1, -(-2 * cpu_cache_bytes() // work_bytes)) if device.type == "cpu" else 1
+    caches = {
+        contender: PagedKVCache(
+            layers,
+            batch * -(-context // block_size),
+            block_size,
+            kv_heads,
+            head_dim,
+            dtype=contender_dtype,
+            device=device,
+        )
+        for contender, contender_dtype in (("mha_ext", cache_dtype), ("bf16_cache", torch.bfloat16))
+    }
+    for cache in caches.values():  # both hand out the same blocks: one batch serves both
+        seqs = [cache.allocate() for _ in range(batch)]
+        prefill = cache.prepare(seqs, [context] * batch)
+    q = torch.randn(batch, heads, head_dim, generator=generator).to(device=device, dtype=dtype)
+    queries = {"mha_ext": q, "bf16_cache": q.to(torch.bfloat16)}
+    for layer in range(layers):
+        # (B * S, Hkv, D): the token order of the slot mapping
+        k, v = (
+            torch.randn(batch * context, kv_heads, head_dim, generator=generator).to(device)
+            for _ in range(2)
+        )
+        for contender, cache in caches.items():
+            rows_dtype = queries[contender].dtype  # a bf16 cache takes bf16 rows
+            functional.paged_kv_append(
+                k.to(rows_dtype),
+                v.to(rows_dtype),
+                cache.key_caches[layer],
+                cache.value_caches[layer],
+                prefill.slot_mapping,
+                **cache.scale_arguments(layer),
+            )
+    one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+    def decode(contender):
+        cache, next_layer = caches[contender], itertools.cycle(range(layers))
+
+        def step():
+            layer = next(next_layer)
+            functional.paged_attention(
+                queries[contender],
+                cache.key_caches[layer],
+                cache.value_caches[layer],
+                prefill.block_tables,
+                prefill.seq_lens,
+                one_query_each,
+                **cache.scale_arguments(layer),
+            )
+
+        return step
+
+    params = {
+        "model": name,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "context": context,
+        "batch": batch,
+        "dtype": dtype_name(dtype),
+        "kv_cache_dtype": cache_name,
+        "block_size": block_size,
+        "layers": layers,
+    }
+    return Case(
+        "paged_decode",
+        f"{name} {dtype_name(dtype)} ctx={context} batch={batch} {cache_name} cache",
+        params,
+        work_bytes,
+        "GB/s",
+        "stream_read",
+        {contender: decode(contender) for contender in caches},
+        baseline="bf16_cache",
+        work_by_contender={"bf16_cache": bf16_bytes},
     )
 
 
@@ -799,8 +904,11 @@ def build_cases(
     decode_batch=DECODE_BATCH,
     append_batch=1,
     varlen_tokens=VARLEN_TOKENS,
+    kv_cache_dtypes=tuple(KV_CACHE_DTYPES),
+    kv_cache_only=False,
 ) -> List[Callable[[], Case]]:
-    """Case factories (cases allocate their tensors only when they run)."""
+    """Case factories (cases allocate their tensors only when they run). kv_cache_only: the
+    decode suite times its 8-bit cache cases alone."""
     factories = []
     for suite in suites:
         if suite in ("forward", "forward_backward"):
@@ -824,11 +932,8 @@ def build_cases(
                         )
                     )
         elif suite == "paged_decode":
-            for name, heads, kv_heads in (
-                ("llama2-7b", 32, 32),
-                (GQA_SHAPE[0], 32, 8),
-                ("llama2-70b", 64, 8),
-            ):
+            plain_shapes = [("llama2-7b", 32, 32), (GQA_SHAPE[0], 32, 8), ("llama2-70b", 64, 8)]
+            for name, heads, kv_heads in [] if kv_cache_only else plain_shapes:
                 for dtype in dtypes:
                     for context in contexts:
                         factories.append(
@@ -839,10 +944,17 @@ def build_cases(
             for dtype in dtypes:
                 for context in contexts:
                     window_case = dict(context=WINDOW_CONTEXT_FACTOR * context, window=context)
-                    for features in (window_case, dict(context=context, **SOFTCAP_DECODE)):
+                    feature_cases = (window_case, dict(context=context, **SOFTCAP_DECODE))
+                    for features in () if kv_cache_only else feature_cases:
                         factories.append(
                             lambda t=dtype, f=features: _decode_case(
                                 *GQA_SHAPE, dtype=t, device=device, batch=decode_batch, **f
+                            )
+                        )
+                    for cache_name in kv_cache_dtypes:
+                        factories.append(
+                            lambda n=cache_name, t=dtype, c=context: _quantized_decode_case(
+                                n, *QUANTIZED_DECODE_SHAPE, c, t, device, decode_batch
                             )
                         )
         elif suite == "cache_append":
@@ -936,7 +1048,7 @@ def run_case(
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
-        throughput = case.work * calls / step_seconds / 1e9
+        throughput = case.work_by_contender.get(name, case.work) * calls / step_seconds / 1e9
         results[name] = {
             "seconds_per_call": step_seconds / calls,
             "throughput": throughput,
