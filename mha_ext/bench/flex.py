@@ -54,6 +54,25 @@ def _compiled_first_call(
     return compiled, out, time.perf_counter() - start
 
 
+def failure_reason(error: BaseException) -> str:
+    """One line: the exception and, where it wraps others (dynamo's "Observed exception",
+    inductor's compile errors), the innermost one, which says what failed."""
+
+    def first_line(exception):
+        lines = str(exception).strip().splitlines()
+        return f"{type(exception).__name__}: {lines[0] if lines else ''}"
+
+    root, seen = error, {id(error)}
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+        if id(root) in seen:  # a chain that loops back
+            break
+        seen.add(id(root))
+    if root is error:
+        return first_line(error)
+    return f"{first_line(error)} ({first_line(root)})"
+
+
 def output_mismatch(flex_out: torch.Tensor, mha_out: torch.Tensor) -> str:
     """'' when flex_out is within TOLERANCE of mha_out, else what differs."""
     atol, rtol = TOLERANCE[mha_out.dtype]
@@ -83,8 +102,7 @@ def _with_flex(
     try:
         compiled, flex_out, compile_seconds = _compiled_first_call(attend, arguments)
     except Exception as error:  # whatever dynamo or inductor raise: the row says why
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return {"flex": f"{type(error).__name__}: {reason}"}, {}
+        return {"flex": failure_reason(error)}, {}
     checks = {"flex_compile_seconds": compile_seconds}
     if flex_out.shape == mha_out.shape:
         checks["flex_max_difference"] = (flex_out.float() - mha_out.float()).abs().max().item()
