@@ -7,6 +7,8 @@
 #   paged_decode     batch 8, context 4096 (llama2-7b, 32q/8kv and llama2-70b heads)
 #   cache_append     one token at 512, 4k and 32k context
 #   call_overhead    per-call times at B 1, H 12, S 128, D 64 and decode-loop shapes, fp32 and bf16
+#   flex             FlexAttention (torch.compile): causal, window and softcap prefill at S 2048,
+#                    paged decode at context 4096, fp32 and bf16 (its compiles add minutes)
 # Usage: bash benchmarks/cpu_targets.sh [output folder, default benchmarks/results/cpu]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +25,4 @@ bench gqa_prefill --dtype float32 bfloat16 --seq 2048
 bench paged_decode --dtype float32 bfloat16 --context 4096
 bench cache_append --append-context 512 4096 32768
 bench call_overhead --dtype float32 bfloat16 --repeats 15
+bench flex --dtype float32 bfloat16 --seq 2048 --context 4096
