@@ -13,7 +13,7 @@ takes tens of seconds on 2 cores.
 
 import itertools
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -93,7 +93,7 @@ def _with_flex(
     mha_out: torch.Tensor,
     attend: Callable,
     arguments: Tuple,
-    rotate: Callable[[], Tuple] = None,
+    rotate: Optional[Callable[[], Tuple]] = None,
 ) -> Tuple[Dict[str, str], Dict[str, float]]:
     """Compiles and checks FlexAttention's attend(*arguments) against mha_out; adds its step
     to steps (calling attend(*rotate()) when given: the decode cycles through layers) when it
