@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
-from mha_ext.bench import flex, report, suites
+from mha_ext.bench import flex, report, roofline, suites
 from mha_ext.bench.__main__ import main as bench_main
 from mha_ext.bench.__main__ import parse_args
 
@@ -19,11 +19,15 @@ CONTEXT = 256  # two pages of 128 tokens per sequence
 
 
 @pytest.fixture(autouse=True)
-def _eager_flex_one_layer(monkeypatch):
+def _small_eager_flex(monkeypatch):
     monkeypatch.setattr(flex, "FLEX_BACKEND", "eager")
     # No CPU cache to overflow: one layer per decode case instead of the hundreds a small
     # context needs to fill twice this VM's reported 480 MiB L3.
     monkeypatch.setattr(flex, "cpu_cache_bytes", lambda: 0)
+    monkeypatch.setattr(roofline, "cpu_cache_bytes", lambda: 0)  # --quick's 256 MiB read
+    # Fewer heads: eager FlexAttention is torch's reference, seconds a call at the real shapes.
+    monkeypatch.setattr(flex, "PREFILL_SHAPE", ("h2-d64", 1, 2, 2, 64))
+    monkeypatch.setattr(flex, "DECODE_SHAPE", ("gqa-4q-2kv", 4, 2, 64))
 
 
 def test_flex_suite_is_named_only():
@@ -35,7 +39,7 @@ def test_flex_suite_is_named_only():
 @pytest.mark.cpu_only  # the bench runs on --device cpu either way
 def test_flex_suite_checks_then_times_each_case(tmp_path, capsys):
     arguments = ["--suite", "flex", "--seq", str(SEQ), "--context", str(CONTEXT)]
-    arguments += ["--decode-batch", "2", "--dtype", "float32", "bfloat16"]
+    arguments += ["--decode-batch", "2", "--dtype", "float32", "bfloat16", "--quick"]
     bench_main([*arguments, "--repeats", "1", "--no-plots", "--out", str(tmp_path)])
     stdout = capsys.readouterr().out
     cases = json.loads((tmp_path / "results.json").read_text())["results"]
