@@ -1,10 +1,11 @@
 """python -m mha_ext.bench: mha_ext against torch SDPA and the naive attention, in one run.
 
-    python -m mha_ext.bench --quick                      # every suite, small, under 2 minutes
+    python -m mha_ext.bench --quick              # every suite but flex, small, under 2 minutes
     python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
     python -m mha_ext.bench --suite context_parallel --world 2   # ring and ulysses on 2 ranks
     python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16 \
         --kv-cache-dtype int8 fp8 --kv-cache-only        # 8-bit caches against a bf16 cache
+    python -m mha_ext.bench --suite flex --seq 2048 --context 4096   # against FlexAttention
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
 machine's roofline, measured side by side with each case), and writes results.json and one
@@ -22,7 +23,15 @@ import torch
 import mha_ext
 
 from . import context_parallel, report, roofline
-from .suites import DECODE_BATCH, KV_CACHE_DTYPES, MODELS, SUITES, build_cases, run_case
+from .suites import (
+    DECODE_BATCH,
+    DEFAULT_SUITES,
+    KV_CACHE_DTYPES,
+    MODELS,
+    SUITES,
+    build_cases,
+    run_case,
+)
 
 QUICK = {
     "models": ["gpt2-small", "llama2-70b"],
@@ -32,6 +41,8 @@ QUICK = {
     "varlen_tokens": 4096,
     "context_parallel_seq": [1024],
     "context_parallel_head_dims": [64],
+    "flex_seq": [512],
+    "flex_context": [1024],
 }
 FULL = {
     "models": list(MODELS),
@@ -41,6 +52,8 @@ FULL = {
     "varlen_tokens": 16384,
     "context_parallel_seq": [2048, 4096, 8192],
     "context_parallel_head_dims": [64, 128],
+    "flex_seq": [2048],
+    "flex_context": [4096],
 }
 
 
@@ -73,7 +86,14 @@ def parse_args(argv):
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--suite", nargs="+", default=list(SUITES), choices=SUITES)
+    parser.add_argument(
+        "--suite",
+        nargs="+",
+        default=list(DEFAULT_SUITES),
+        choices=SUITES,
+        help=f"default: all but {', '.join(s for s in SUITES if s not in DEFAULT_SUITES)} "
+        "(FlexAttention's compiles take minutes: name it to run it)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="small shapes: the whole run under 2 minutes"
     )
@@ -169,6 +189,8 @@ def main(argv=None):
         args.varlen_tokens or sizes["varlen_tokens"],
         args.kv_cache_dtype,
         args.kv_cache_only,
+        args.seq or sizes["flex_seq"],
+        args.context or sizes["flex_context"],
     )
     progress = Progress(len(factories))
     results = []

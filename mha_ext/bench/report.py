@@ -17,12 +17,13 @@ SUITE_TITLES = {
     "varlen": "packed documents, causal forward + backward (work: the documents' own FLOPs)",
     "integrations": "mha_ext through each interface against the direct call, causal",
     "context_parallel": "context-parallel attention on spawned ranks against one process, causal",
+    "flex": "against FlexAttention (torch.compile), causal; compiles apart from the timing",
 }
 # Suites whose tables show each contender's microseconds per call, not its throughput: the
 # fixed costs of a small call are what they measure.
 PER_CALL_SUITES = {"call_overhead", "integrations"}
 # Suites whose cases are not a line over one length: a table and no plot.
-TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen", "context_parallel"}
+TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen", "context_parallel", "flex"}
 
 
 def _contenders(results: List[Dict]) -> List[str]:
@@ -42,7 +43,10 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
         return _context_parallel_table(results)
     quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
     results = [r for r in results if not r["params"].get("kv_cache_dtype")]
-    lines = _contender_table(suite, results) if results else []
+    if suite == "flex":
+        lines = _flex_table(results)
+    else:
+        lines = _contender_table(suite, results) if results else []
     if quantized:
         lines += _quantized_decode_table(quantized)
     lines.append(
@@ -84,6 +88,32 @@ def _contender_table(suite: str, results: List[Dict]) -> List[str]:
         ratio = mha.get("speedup_vs_baseline") if mha else None
         line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
         line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
+        lines.append(line)
+    return lines
+
+
+def _flex_table(results: List[Dict]) -> List[str]:
+    """Per case: each contender's throughput, flex's time over mha_ext's (> 1: mha_ext is
+    faster), mha_ext's fraction of the roofline, FlexAttention's compile (its first call) and
+    the largest difference of its output from mha_ext's; where flex is not timed, n/a and why."""
+    label_width = max(len(r["label"]) for r in results) + 2
+    columns = ["mha_ext", "flex", "mha_ext / flex", "mha_ext % roofline", "flex compile s"]
+    columns.append("max |flex - mha_ext|")
+    header = f"{'case':<{label_width}}{'unit':>9}" + "".join(f"{c:>21}" for c in columns)
+    lines = [SUITE_TITLES["flex"], header, "-" * len(header)]
+    for result in results:
+        timed, checks = result["results"], result.get("checks", {})
+        line = f"{result['label']:<{label_width}}{result['unit']:>9}"
+        for name in ("mha_ext", "flex"):
+            line += f"{timed[name]['throughput']:>21.4g}" if name in timed else f"{'n/a':>21}"
+        ratio = timed.get("mha_ext", {}).get("speedup_vs_baseline")
+        line += f"{ratio:>20.2f}x" if ratio else f"{'n/a':>21}"
+        mha = timed.get("mha_ext")
+        line += f"{100 * mha['roofline_fraction']:>20.0f}%" if mha else f"{'n/a':>21}"
+        for key, form in (("flex_compile_seconds", ".1f"), ("flex_max_difference", ".2g")):
+            line += f"{checks[key]:>21{form}}" if key in checks else f"{'n/a':>21}"
+        if result["unsupported"]:
+            line += "  " + "; ".join(f"{k}: {v}" for k, v in result["unsupported"].items())
         lines.append(line)
     return lines
 

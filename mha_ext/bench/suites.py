@@ -34,7 +34,7 @@ MODELS = {
 }
 # The grouped-query prefill shape of the CPU performance targets: 32 query / 8 kv heads.
 GQA_SHAPE = ("gqa-32q-8kv", 32, 8, 128)
-SUITES = (
+DEFAULT_SUITES = (
     "forward",
     "forward_backward",
     "gqa_prefill",
@@ -46,6 +46,10 @@ SUITES = (
     "integrations",
     "context_parallel",
 )
+# Suites run only when named: each of the flex suite's cases compiles FlexAttention first
+# (tens of seconds on 2 cores), past the default runs' budget.
+OPT_IN_SUITES = ("flex",)
+SUITES = DEFAULT_SUITES + OPT_IN_SUITES
 # The variants suite: each score feature of attention alone, against plain attention of the
 # same shape (the feature's cost). (label, attention keyword arguments given the heads)
 VARIANTS = {
@@ -122,6 +126,12 @@ class Case:
     contexts: Dict[str, Callable[[], contextlib.AbstractContextManager]] = field(
         default_factory=dict
     )
+    # Contender -> why it is not timed, known when the case is built (e.g. it failed to
+    # compile, or its output differs from mha_ext's).
+    unsupported: Dict[str, str] = field(default_factory=dict)
+    # What the case measured or checked before the timing (e.g. a compile's seconds), kept
+    # in its result.
+    checks: Dict[str, float] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -906,9 +916,12 @@ def build_cases(
     varlen_tokens=VARLEN_TOKENS,
     kv_cache_dtypes=tuple(KV_CACHE_DTYPES),
     kv_cache_only=False,
+    flex_seqs=(2048,),
+    flex_contexts=(4096,),
 ) -> List[Callable[[], Case]]:
     """Case factories (cases allocate their tensors only when they run). kv_cache_only: the
-    decode suite times its 8-bit cache cases alone."""
+    decode suite times its 8-bit cache cases alone. flex_seqs, flex_contexts: the flex
+    suite's prefill lengths and decode contexts."""
     factories = []
     for suite in suites:
         if suite in ("forward", "forward_backward"):
@@ -995,6 +1008,10 @@ def build_cases(
                                 _attention_integration_case(i, *s, t, b, device)
                             )
                         )
+        elif suite == "flex":
+            from . import flex  # flex builds on this module's Case
+
+            factories += flex.case_factories(flex_seqs, flex_contexts, dtypes, device, decode_batch)
         elif suite == "context_parallel":
             continue  # runs on spawned ranks: context_parallel.run_suite, not a Case
         else:
@@ -1015,7 +1032,7 @@ def run_case(
     With probes, the probe of the case's roofline is timed with the contenders (interleaved
     where they are) and the fractions are of its rate there, recorded as roofline_rate;
     without, of roofline's (the run's headline ceilings)."""
-    unsupported = {}
+    unsupported = dict(case.unsupported)
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
         if naive_seconds > NAIVE_MAX_SECONDS:
@@ -1068,4 +1085,5 @@ def run_case(
         "baseline": case.baseline,
         "results": results,
         "unsupported": unsupported,
+        "checks": case.checks,
     }
