@@ -44,29 +44,57 @@ C10_ALWAYS_INLINE FloatVec max_skipping_nan(FloatVec x, FloatVec acc) {
 C10_ALWAYS_INLINE FloatVec clamp_keeping_nan(FloatVec x, float lo, float hi) {
   return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
 }
-// The largest lane (a tree of maxima: the scalar chain was a row's longest latency).
-C10_ALWAYS_INLINE float max_of_lanes(FloatVec x) { return _mm512_reduce_max_ps(x); }
-// Whether any lane of x exceeds bound (NaN does not).
-C10_ALWAYS_INLINE bool any_above(FloatVec x, float bound) {
-  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+// Lane r: the largest lane of rows[r]. One transposing tree of maxima for 16 rows (45
+// shuffles and maxima, against 8 a row alone and a longer chain of latencies).
+C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[16]) {
+  // Each step halves the lanes per row and doubles the rows per vector.
+  __m512 pairs[8];  // 128-bit chunks: rows 2i, 2i, 2i + 1, 2i + 1 (4 lanes each)
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = rows[2 * i], b = rows[2 * i + 1];
+    pairs[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  __m512 quads[4];  // chunk k: row 4i + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  __m512 halves[2];  // chunk k: rows 8i + k and 8i + 4 + k, 2 lanes each
+  for (int i = 0; i < 2; ++i) {
+    const __m512 a = quads[2 * i], b = quads[2 * i + 1];
+    halves[i] = _mm512_max_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // lane 4k + j: row 4j + k
+  const __m512 maxima =
+      _mm512_max_ps(_mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(row_order, maxima);
+}
+// Whether any lane of x exceeds bound or is NaN.
+C10_ALWAYS_INLINE bool any_above_or_nan(FloatVec x, float bound) {
+  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLE_UQ) != 0;
 }
 C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm512_cvttps_epi32(x); }
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm512_castps_si512(x); }
 C10_ALWAYS_INLINE FloatVec as_float(IntLanes x) { return _mm512_castsi512_ps(x); }
 C10_ALWAYS_INLINE IntLanes splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
 C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm512_and_si512(a, b); }
-C10_ALWAYS_INLINE IntLanes bit_or(IntLanes a, IntLanes b) { return _mm512_or_si512(a, b); }
-C10_ALWAYS_INLINE IntLanes bit_xor(IntLanes a, IntLanes b) { return _mm512_xor_si512(a, b); }
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm512_add_epi32(a, b); }
 C10_ALWAYS_INLINE IntLanes sub(IntLanes a, IntLanes b) { return _mm512_sub_epi32(a, b); }
+// The larger, as signed 32-bit integers.
+C10_ALWAYS_INLINE IntLanes max_int(IntLanes a, IntLanes b) { return _mm512_max_epi32(a, b); }
 template <int kBits>
 C10_ALWAYS_INLINE IntLanes shift_right(IntLanes a) {
   return _mm512_srli_epi32(a, kBits);
 }
-// a < b ? if_less : otherwise, as signed 32-bit integers.
-C10_ALWAYS_INLINE IntLanes select_less(IntLanes a, IntLanes b, IntLanes if_less,
-                                       IntLanes otherwise) {
-  return _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, b), otherwise, if_less);
+// The bits of if_set where mask has a 1, the bits of otherwise elsewhere.
+C10_ALWAYS_INLINE IntLanes select_bits(IntLanes mask, IntLanes if_set, IntLanes otherwise) {
+  return _mm512_ternarylogic_epi32(mask, if_set, otherwise, 0xCA);  // mask ? if_set : otherwise
+}
+// Lanes where x is NaN: if_nan; others: otherwise.
+C10_ALWAYS_INLINE IntLanes where_nan(FloatVec x, IntLanes if_nan, IntLanes otherwise) {
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), otherwise, if_nan);
 }
 // The low byte of each of the first `count` lanes to out.
 C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
@@ -82,30 +110,47 @@ C10_ALWAYS_INLINE FloatVec max_skipping_nan(FloatVec x, FloatVec acc) {
 C10_ALWAYS_INLINE FloatVec clamp_keeping_nan(FloatVec x, float lo, float hi) {
   return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
 }
-C10_ALWAYS_INLINE float max_of_lanes(FloatVec x) {
-  __m128 half = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[8]) {
+  __m256 pairs[4];  // 128-bit halves: rows 2i and 2i + 1
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = rows[2 * i], b = rows[2 * i + 1];
+    pairs[i] =
+        _mm256_max_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  __m256 quads[2];  // half k: rows 4i + k and 4i + 2 + k, 2 lanes each
+  for (int i = 0; i < 2; ++i) {
+    const __m256 a = pairs[2 * i], b = pairs[2 * i + 1];
+    quads[i] = _mm256_max_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // lane 4k + j: row 2j + k
+  const __m256 maxima =
+      _mm256_max_ps(_mm256_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm256_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(maxima, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-C10_ALWAYS_INLINE bool any_above(FloatVec x, float bound) {
-  return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_GT_OQ)) != 0;
+C10_ALWAYS_INLINE bool any_above_or_nan(FloatVec x, float bound) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLE_UQ)) != 0;
 }
 C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm256_cvttps_epi32(x); }
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm256_castps_si256(x); }
 C10_ALWAYS_INLINE FloatVec as_float(IntLanes x) { return _mm256_castsi256_ps(x); }
 C10_ALWAYS_INLINE IntLanes splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
 C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm256_and_si256(a, b); }
-C10_ALWAYS_INLINE IntLanes bit_or(IntLanes a, IntLanes b) { return _mm256_or_si256(a, b); }
-C10_ALWAYS_INLINE IntLanes bit_xor(IntLanes a, IntLanes b) { return _mm256_xor_si256(a, b); }
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm256_add_epi32(a, b); }
 C10_ALWAYS_INLINE IntLanes sub(IntLanes a, IntLanes b) { return _mm256_sub_epi32(a, b); }
+C10_ALWAYS_INLINE IntLanes max_int(IntLanes a, IntLanes b) { return _mm256_max_epi32(a, b); }
 template <int kBits>
 C10_ALWAYS_INLINE IntLanes shift_right(IntLanes a) {
   return _mm256_srli_epi32(a, kBits);
 }
-C10_ALWAYS_INLINE IntLanes select_less(IntLanes a, IntLanes b, IntLanes if_less,
-                                       IntLanes otherwise) {
-  return _mm256_blendv_epi8(otherwise, if_less, _mm256_cmpgt_epi32(b, a));
+C10_ALWAYS_INLINE IntLanes select_bits(IntLanes mask, IntLanes if_set, IntLanes otherwise) {
+  return _mm256_or_si256(_mm256_and_si256(mask, if_set), _mm256_andnot_si256(mask, otherwise));
+}
+C10_ALWAYS_INLINE IntLanes where_nan(FloatVec x, IntLanes if_nan, IntLanes otherwise) {
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(otherwise),
+                                              _mm256_castsi256_ps(if_nan),
+                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
   // Each 128-bit half's four low bytes into its low 32 bits (a truncation, like VPMOVDB),
@@ -123,49 +168,53 @@ C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
 }
 #endif
 
-// The float8_e4m3fn codes of x, which clamp_keeping_nan bounded to [-448, 448] or NaN: c10's
-// conversion (round to nearest, ties to even) lane by lane, its branches as selects.
+// The float8_e4m3fn codes of x (each lane's low byte), which clamp_keeping_nan bounded to
+// [-448, 448] or NaN: rounded to nearest, ties to even, as c10 converts.
+//
+// x in [2^e, 2^(e + 1)) plus s = 2^(e + 20) with x's sign is s plus a whole number of s's
+// units in the last place, 2^(e - 3): fp32's own rounding (to nearest, ties to even) rounds x
+// to e4m3's 3 mantissa bits, and the sum's bits minus s's count the units, 8..16 (16: a tie
+// carried into 2^(e + 1), as in e4m3). Below 2^-6, e4m3's subnormals, e stays -6: units of
+// 2^-9, 0..8. The code is then 8 * (e + 6) + units. The sign comes from x: -0 and negatives
+// rounding to zero keep it, as in c10.
 C10_ALWAYS_INLINE IntLanes float8_e4m3_codes(FloatVec x) {
-  const IntLanes sign = bit_and(as_int(x), splat(0x80000000u));
-  const IntLanes magnitude = bit_xor(as_int(x), sign);
-  // Below 2^-6, the subnormals: adding 2^14 rounds to a multiple of 2^-9 (its ulp), ties to
-  // even, and leaves the code in the low bits.
-  const IntLanes denorm_bias = splat(141u << 23);  // 2^14
-  const IntLanes subnormal = sub(as_int(as_float(magnitude) + as_float(denorm_bias)), denorm_bias);
-  // Normals: the exponent rebiased from 127 to 7, the mantissa rounded from 23 to 3 bits, ties
-  // to even (a carry goes into the exponent).
-  const IntLanes odd = bit_and(shift_right<20>(magnitude), splat(1));
-  const IntLanes normal =
-      shift_right<20>(add(add(magnitude, splat((uint32_t(7 - 127) << 23) + 0x7FFFFu)), odd));
-  const IntLanes finite = select_less(magnitude, splat(121u << 23), subnormal, normal);
-  // Bits of 480.0f, the first magnitude e4m3fn cannot hold: only NaN reaches it here.
-  const IntLanes code = select_less(magnitude, splat(1087u << 20), finite, splat(0x7F));
-  return bit_or(code, shift_right<24>(sign));
+  // 2^e's bits, e >= -6
+  const IntLanes power = max_int(bit_and(as_int(x), splat(0x7F800000u)), splat(121u << 23));
+  const IntLanes shifter = select_bits(splat(0x80000000u), as_int(x), add(power, splat(20u << 23)));
+  const IntLanes units = sub(as_int(x + as_float(shifter)), shifter);
+  // 8 * (e + 6) = (bits of 2^e >> 20) - 8 * 121
+  const IntLanes magnitude_code = add(units, sub(shift_right<20>(power), splat(8 * 121)));
+  // bit 7 of magnitude_code is 0: its exponent is at most 15
+  return select_bits(splat(0x80), shift_right<24>(as_int(x)),
+                     where_nan(x, splat(0x7F), magnitude_code));
 }
 #endif
 
 // int8: scale = absmax / 127, stored = clamp(round_half_to_even(x / scale), -127, 127); an
 // all-zero row stores zeros with scale 0. The division is IEEE fp32 division (not a multiply
 // by the reciprocal), which the Python reference (mha_ext.reference.quantize_int8) matches.
-template <typename in_t>
-float quantize_int8_row(const in_t* x, int64_t dim, int8_t* out) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The lane maxima of |x| over a row of dim elements (lanes past dim 0, NaN skipped).
+template <typename in_t>
+C10_ALWAYS_INLINE FloatVec lane_absmax(const in_t* x, int64_t dim) {
   constexpr int64_t kWidth = FloatVec::size();
-  FloatVec lane_max(0.f);  // lanes past dim load as 0
+  FloatVec lane_max(0.f);
   for (int64_t d = 0; d < dim; d += kWidth) {
     lane_max = max_skipping_nan(load_as<float>(x + d, std::min(kWidth, dim - d)).abs(), lane_max);
   }
-  const float absmax = max_of_lanes(lane_max);
-#else
-  float absmax = 0.f;
-  for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(static_cast<float>(x[d])));
-#endif
-  const float scale = absmax / 127.f;
+  return lane_max;
+}
+
+// Stores a row quantized with its scale (absmax / 127) and reciprocal (1 / scale, both
+// computed in fp32).
+template <typename in_t>
+C10_ALWAYS_INLINE void quantize_int8_row(const in_t* x, int64_t dim, float scale, float reciprocal,
+                                         int8_t* out) {
+  constexpr int64_t kWidth = FloatVec::size();
   if (scale == 0.f) {
     std::fill(out, out + dim, int8_t(0));
-    return scale;
+    return;
   }
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   // A division per element bounded the append (VDIVPS: about a cycle per element here), so
   // the quotient is first estimated as x * (1 / scale), within 3e-5 of the fp32 quotient
   // (2 roundings of relative 2^-24 at magnitudes up to 127): where no lane's estimate lies
@@ -173,81 +222,157 @@ float quantize_int8_row(const in_t* x, int64_t dim, int8_t* out) {
   // vectors with such a lane divide. A subnormal scale, whose reciprocal may overflow,
   // divides throughout.
   const bool estimate = scale >= std::numeric_limits<float>::min();
-  const FloatVec reciprocal(1.f / scale);
-  auto round_to_integer = [](FloatVec y) C10_ALWAYS_INLINE_ATTRIBUTE {
-    return (y + FloatVec(kRoundingShift)) - FloatVec(kRoundingShift);
-  };
   for (int64_t d = 0; d < dim; d += kWidth) {
     const int64_t count = std::min(kWidth, dim - d);
     const FloatVec row = load_as<float>(x + d, count);
-    FloatVec rounded;
     if (estimate) {
-      const FloatVec estimated = row * reciprocal;
-      rounded = round_to_integer(estimated);
-      // |estimate - its integer| is exact in fp32; NaN compares false (and rounds as NaN).
-      if (!any_above((estimated - rounded).abs(), 0.5f - 0x1p-12f)) {
-        store_low_bytes(truncate_to_int(clamp_keeping_nan(rounded, -127.f, 127.f)), count, out + d);
+      // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it, two's
+      // complement, in the sum's low bits. A normal scale puts the estimate within
+      // 127 * (1 + 2^-22) of 0, so it needs no clamp (a row with an infinity has scale inf:
+      // estimates 0, or NaN for the infinity).
+      const FloatVec estimated = row * FloatVec(reciprocal);
+      const FloatVec shifted = estimated + FloatVec(kRoundingShift);
+      // |estimate - its integer| is exact in fp32; NaN lanes take the division below too.
+      if (!any_above_or_nan((estimated - (shifted - FloatVec(kRoundingShift))).abs(),
+                            0.5f - 0x1p-12f)) {
+        store_low_bytes(as_int(shifted), count, out + d);
         continue;
       }
     }
-    rounded = round_to_integer(row / FloatVec(scale));
+    const FloatVec rounded =
+        (row / FloatVec(scale) + FloatVec(kRoundingShift)) - FloatVec(kRoundingShift);
     store_low_bytes(truncate_to_int(clamp_keeping_nan(rounded, -127.f, 127.f)), count, out + d);
   }
+}
 #else
+template <typename in_t>
+float quantize_int8_row(const in_t* x, int64_t dim, int8_t* out) {
+  float absmax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) absmax = std::max(absmax, std::fabs(static_cast<float>(x[d])));
+  const float scale = absmax / 127.f;
   for (int64_t d = 0; d < dim; ++d) {
-    const float rounded = (static_cast<float>(x[d]) / scale + kRoundingShift) - kRoundingShift;
+    const float rounded =
+        scale == 0.f ? 0.f : (static_cast<float>(x[d]) / scale + kRoundingShift) - kRoundingShift;
     out[d] = static_cast<int8_t>(std::clamp(rounded, -127.f, 127.f));
   }
-#endif
   return scale;
+}
+#endif
+
+// One int8 row of a token: where it comes from and where it and its scale go.
+template <typename in_t>
+struct Int8Row {
+  const in_t* in;
+  int64_t dim;
+  int8_t* out;
+  float* scale;
+};
+
+// Row r of token t, whose slot is `slot`: the key of kv head r, or for r >= num_kv_heads the
+// value of kv head r - num_kv_heads.
+template <typename in_t>
+C10_ALWAYS_INLINE Int8Row<in_t> int8_row(const PagedAppendParams& p, int64_t t, CacheSlot slot,
+                                         int64_t r) {
+  const bool is_key = r < p.num_kv_heads;
+  const int64_t h = is_key ? r : r - p.num_kv_heads;
+  const TokenStrides& in_strides = is_key ? p.key_strides : p.value_strides;
+  const QuantScales& scales = is_key ? p.k_scales : p.v_scales;
+  const auto* in = static_cast<const in_t*>(is_key ? p.key : p.value);
+  auto* cache = static_cast<int8_t*>(is_key ? p.k_cache : p.v_cache);
+  return {in + t * in_strides.token + h * in_strides.head, is_key ? p.head_dim : p.head_dim_v,
+          cache + cache_row_offset(is_key ? p.k_cache_strides : p.v_cache_strides, slot, h),
+          scales.per_row + cache_row_offset(scales.strides, slot, h)};
+}
+
+// The 2 * num_kv_heads int8 rows of token t. On the vector ISAs a vector's width of rows at a
+// time: their lane maxima reduce together into one vector of absmaxes, and one division each
+// gives their scales and the reciprocals; a row at a time, the reduction and two scalar
+// divisions made a chain of latencies longer than the row's quantizing.
+template <typename in_t>
+void append_int8_token(const PagedAppendParams& p, int64_t t, CacheSlot slot) {
+  const int64_t rows = 2 * p.num_kv_heads;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr int64_t kGroup = FloatVec::size();
+  for (int64_t first = 0; first < rows; first += kGroup) {
+    const int64_t count = std::min(kGroup, rows - first);
+    FloatVec lane_max[kGroup];
+    for (int64_t r = 0; r < kGroup; ++r) {
+      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, first + std::min(r, count - 1));
+      lane_max[r] = r < count ? lane_absmax(row.in, row.dim) : FloatVec(0.f);
+    }
+    const FloatVec scales = max_of_each(lane_max) / FloatVec(127.f);
+    alignas(64) float scale[kGroup];
+    alignas(64) float reciprocal[kGroup];
+    scales.store(scale);
+    (FloatVec(1.f) / scales).store(reciprocal);
+    for (int64_t r = 0; r < count; ++r) {
+      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, first + r);
+      quantize_int8_row(row.in, row.dim, scale[r], reciprocal[r], row.out);
+      *row.scale = scale[r];
+    }
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, r);
+    *row.scale = quantize_int8_row(row.in, row.dim, row.out);
+  }
+#endif
 }
 
 // float8_e4m3fn: stored = e4m3fn(clamp(x / scale, -448, 448)), c10's conversion (round to
 // nearest, ties to even), as torch's .to(torch.float8_e4m3fn) converts. NaN stays NaN.
-template <typename in_t>
-void quantize_float8_row(const in_t* x, int64_t dim, float scale, c10::Float8_e4m3fn* out) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  constexpr int64_t kWidth = FloatVec::size();
-  // Dividing by a power of two and multiplying by its reciprocal, when that is a normal fp32,
-  // both give the correctly rounded x * 2^-k: the same bits, without a division per element
-  // (VDIVPS, about a cycle per element here). Other scales divide.
+//
+// How a cache tensor's rows are divided by its scale, decided once per call (frexp and a
+// division per row were a third of a row's cost): dividing by a power of two and multiplying
+// by its reciprocal, when that is a normal fp32, both give the correctly rounded x * 2^-k, the
+// same bits without a division per element (VDIVPS, about a cycle per element here). Other
+// scales divide.
+struct Float8Divisor {
+  float scale;
+  float reciprocal;
+  bool multiply;
+};
+
+inline Float8Divisor float8_divisor(float scale) {
   int exponent = 0;
   const bool power_of_two = std::frexp(scale, &exponent) == 0.5f;
   const float reciprocal = 1.f / scale;
-  const bool multiply = power_of_two && std::isnormal(scale) && std::isnormal(reciprocal);
+  return {scale, reciprocal, power_of_two && std::isnormal(scale) && std::isnormal(reciprocal)};
+}
+
+template <typename in_t>
+C10_ALWAYS_INLINE void quantize_float8_row(const in_t* x, int64_t dim, Float8Divisor divisor,
+                                           c10::Float8_e4m3fn* out) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr int64_t kWidth = FloatVec::size();
   for (int64_t d = 0; d < dim; d += kWidth) {
     const int64_t count = std::min(kWidth, dim - d);
     const FloatVec row = load_as<float>(x + d, count);
-    const FloatVec quotient = multiply ? row * FloatVec(reciprocal) : row / FloatVec(scale);
+    const FloatVec quotient =
+        divisor.multiply ? row * FloatVec(divisor.reciprocal) : row / FloatVec(divisor.scale);
     const FloatVec bounded = clamp_keeping_nan(quotient, -kFloat8E4M3Max, kFloat8E4M3Max);
     store_low_bytes(float8_e4m3_codes(bounded), count, out + d);
   }
 #else
   for (int64_t d = 0; d < dim; ++d) {
-    const float y = static_cast<float>(x[d]) / scale;
+    const float y = static_cast<float>(x[d]) / divisor.scale;
     out[d] = c10::Float8_e4m3fn(std::isnan(y) ? y : std::clamp(y, -kFloat8E4M3Max, kFloat8E4M3Max));
   }
 #endif
 }
 
 // Writes one (token, kv head) row into its cache row: a copy of dim elements of
-// p.element_size bytes for a plain cache; else quantized from in_t (p.dtype), with its int8
-// scale at `scale_index`.
+// p.element_size bytes for a plain cache, or quantized from in_t (p.dtype) into a float8_e4m3fn
+// one by its per-tensor scale.
 template <typename in_t>
-void write_row(const PagedAppendParams& p, const char* row, int64_t dim, char* cache_row,
-               const QuantScales& scales, int64_t scale_index) {
-  const auto* elements = reinterpret_cast<const in_t*>(row);
-  switch (p.format) {
-    case CacheFormat::kPlain: std::memcpy(cache_row, row, dim * p.element_size); return;
-    case CacheFormat::kInt8:
-      scales.per_row[scale_index] =
-          quantize_int8_row(elements, dim, reinterpret_cast<int8_t*>(cache_row));
-      return;
-    case CacheFormat::kFloat8E4M3:
-      quantize_float8_row(elements, dim, scales.per_tensor,
-                          reinterpret_cast<c10::Float8_e4m3fn*>(cache_row));
-      return;
+C10_ALWAYS_INLINE void write_row(const PagedAppendParams& p, const char* row, int64_t dim,
+                                 char* cache_row, Float8Divisor divisor) {
+  if (p.format == CacheFormat::kPlain) {
+    std::memcpy(cache_row, row, dim * p.element_size);
+    return;
   }
+  quantize_float8_row(reinterpret_cast<const in_t*>(row), dim, divisor,
+                      reinterpret_cast<c10::Float8_e4m3fn*>(cache_row));
 }
 
 template <typename in_t>
@@ -258,19 +383,24 @@ void paged_kv_append_kernel(const PagedAppendParams& p) {
   char* v_cache = static_cast<char*>(p.v_cache);
   const int64_t in_bytes = p.element_size;
   const int64_t cache_bytes = p.format == CacheFormat::kPlain ? in_bytes : 1;
+  const Float8Divisor k_divisor = float8_divisor(p.k_scales.per_tensor);
+  const Float8Divisor v_divisor = float8_divisor(p.v_scales.per_tensor);
   parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (p.slot_mapping[t] < 0) continue;  // padding token
       const CacheSlot slot = slot_location(p.slot_mapping[t], p.block_size);
+      if (p.format == CacheFormat::kInt8) {
+        append_int8_token<in_t>(p, t, slot);
+        continue;
+      }
       for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-        write_row<in_t>(p, key + (t * p.key_strides.token + h * p.key_strides.head) * in_bytes,
-                        p.head_dim,
-                        k_cache + cache_row_offset(p.k_cache_strides, slot, h) * cache_bytes,
-                        p.k_scales, cache_row_offset(p.k_scales.strides, slot, h));
+        write_row<in_t>(
+            p, key + (t * p.key_strides.token + h * p.key_strides.head) * in_bytes, p.head_dim,
+            k_cache + cache_row_offset(p.k_cache_strides, slot, h) * cache_bytes, k_divisor);
         write_row<in_t>(
             p, value + (t * p.value_strides.token + h * p.value_strides.head) * in_bytes,
             p.head_dim_v, v_cache + cache_row_offset(p.v_cache_strides, slot, h) * cache_bytes,
-            p.v_scales, cache_row_offset(p.v_scales.strides, slot, h));
+            v_divisor);
       }
     }
   });
