@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import functional
 from ..kv_cache import PagedKVCache
 from ..reference import attention_reference
-from .roofline import Probe, cpu_cache_bytes
+from .roofline import Probe, cpu_cache_bytes, peak_key_of
 from .timing import median_seconds
 
 # Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
@@ -109,6 +109,8 @@ class Case:
     params: Dict
     work: float  # FLOPs or bytes of one step
     unit: str  # "GFLOP/s" or "GB/s"
+    # The probe timed with the case (roofline.probes): "matmul_<dtype>", torch's matmul,
+    # beside the dtype's peak for arithmetic; "stream_read", the roofline of bytes.
     roofline_key: str
     steps: Dict[str, Callable[[], None]]
     baseline: str = "torch_sdpa"
@@ -1012,9 +1014,12 @@ def run_case(
     """Times a case; returns its JSON-ready result. A contender with no kernel for this
     device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
     where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
-    With probes, the probe of the case's roofline is timed with the contenders (interleaved
-    where they are) and the fractions are of its rate there, recorded as roofline_rate;
-    without, of roofline's (the run's headline ceilings)."""
+    With probes, the case's probe (torch's matmul or the streaming read) is timed with the
+    contenders (interleaved where they are) and roofline_fraction is of its rate there,
+    recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
+    of arithmetic also gets peak_fraction, of the dtype's peak in roofline ("peak_<dtype>",
+    from the peak probes) where there is one: not clamped, so a kernel that beat the probe
+    would show it."""
     unsupported = {}
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -1045,6 +1050,8 @@ def run_case(
     ceiling = (
         probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     )
+    peak_key = peak_key_of(case.roofline_key)
+    peak = roofline.get(peak_key) if peak_key else None
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
@@ -1054,6 +1061,8 @@ def run_case(
             "throughput": throughput,
             "roofline_fraction": throughput / ceiling,
         }
+        if peak:
+            results[name]["peak_fraction"] = throughput / peak
     if case.baseline in results:
         baseline = results[case.baseline]["seconds_per_call"]
         for entry in results.values():
@@ -1065,6 +1074,8 @@ def run_case(
         "unit": case.unit,
         "roofline": case.roofline_key,
         "roofline_rate": ceiling,
+        "peak": peak_key if peak else None,
+        "peak_rate": peak,
         "baseline": case.baseline,
         "results": results,
         "unsupported": unsupported,
