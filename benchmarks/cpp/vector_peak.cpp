@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <string>
 
 #include "cpu/peak_probe.h"
 
@@ -39,8 +40,8 @@ int main(int argc, char** argv) {
   const int runs = smoke ? 1 : 5;
   try {
     const int threads = at::get_num_threads();
-    std::printf("%-18s %14s %14s\n", "probe", "1 thread", "all threads");
-    std::printf("%-18s %14s %11d th\n", "", "GFLOP/s", threads);
+    const std::string all_threads = std::to_string(threads) + " threads";
+    std::printf("%-18s %14s %14s\n", "GFLOP/s", "1 thread", all_threads.c_str());
     for (mha_ext::cpu::PeakProbeKind kind : mha_ext::cpu::available_peak_probes()) {
       at::set_num_threads(1);
       const double one = peak_gflops(kind, min_seconds, runs);
