@@ -203,7 +203,9 @@ def fake_timed_case(monkeypatch, mha_seconds, probe_seconds):
     monkeypatch.setattr(
         suites,
         "median_seconds",
-        lambda steps, warmup, repeats, device: {name: step_seconds[name] for name in steps},
+        lambda steps, warmup, repeats, device: {
+            name: step_seconds.get(name, 1.0) for name in steps
+        },
     )
     return case
 
@@ -222,6 +224,35 @@ def test_case_reports_peak_and_torch_matmul_fractions(monkeypatch):
     assert mha["peak_fraction"] == pytest.approx(0.25)
     assert mha["roofline_fraction"] == pytest.approx(throughput / 2.0)  # the matmul with it
     assert result["peak"] == "peak_float32" and result["peak_rate"] == 4 * throughput
+
+
+@pytest.mark.parametrize("with_case_gflops, peak", [(8.0, 8.0), (2.0, 5.0)])
+def test_peak_probe_timed_with_the_case_counts_where_it_read_higher(
+    monkeypatch, with_case_gflops, peak
+):
+    # The run's peak read 5 GFLOP/s before the suites; timed round by round with the case the
+    # probe reads with_case_gflops (its 1 GFLOP in 1 / with_case_gflops s): the higher counts.
+    case = fake_timed_case(monkeypatch, 0.001, 2.0)
+    calls = []
+    timed = suites.median_seconds
+
+    def recording(steps, warmup, repeats, device):
+        calls.append(list(steps))
+        return {**timed(steps, warmup, repeats, device), suites.PEAK_PROBE: 1 / with_case_gflops}
+
+    monkeypatch.setattr(suites, "median_seconds", recording)
+    probes = {
+        "matmul_float32": roofline.Probe(lambda: None, 4e9),
+        "peak_float32": roofline.Probe(lambda: None, 1e9),
+    }
+    result = suites.run_case(
+        case, {"matmul_float32": 1.0, "peak_float32": 5.0}, torch.device("cpu"), 1, probes
+    )
+    assert calls == [["mha_ext", "torch_sdpa", "naive", suites.ROOFLINE_PROBE, suites.PEAK_PROBE]]
+    assert result["peak_rate"] == pytest.approx(peak)
+    assert suites.PEAK_PROBE not in result["results"]
+    throughput = case.work / 0.001 / 1e9
+    assert result["results"]["mha_ext"]["peak_fraction"] == pytest.approx(throughput / peak)
 
 
 def test_a_case_faster_than_the_peak_is_reported_not_clamped(monkeypatch):
@@ -249,6 +280,7 @@ def test_tables_show_peak_and_torch_matmul_for_flops_and_stream_read_for_bytes()
             "unit": unit,
             "roofline": key,
             "roofline_rate": 10.0,
+            "peak_rate": 500.0 if key != "stream_read" else None,
             "baseline": "torch_sdpa",
             "results": {"mha_ext": {**mha, **fractions}, "torch_sdpa": mha},
             "unsupported": {},
@@ -263,7 +295,10 @@ def test_tables_show_peak_and_torch_matmul_for_flops_and_stream_read_for_bytes()
     assert "mha_ext % peak" in header and "% torch matmul" in header
     assert "stream read" not in header
     assert row.split()[-2:] == ["60%", "90%"]
-    assert "peak_float32 = 450.0 GFLOP/s (fp32_fma_avx512), torch matmul_float32 = 300.0" in table
+    assert (
+        "peak_float32 = 450.0 GFLOP/s (fp32_fma_avx512; with the case: 500.0), "
+        "torch matmul_float32 = 300.0 GFLOP/s (with the case: 10.0)" in table
+    )
     decode = result("paged_decode", "GB/s", "stream_read", {"roofline_fraction": 0.7})
     table = report.format_suite("paged_decode", [decode], ceilings)
     header, row = table.splitlines()[1], table.splitlines()[3]

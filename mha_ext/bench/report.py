@@ -212,20 +212,24 @@ def _roofline_summary(
     """key = its rate before the suites and the range of its rates side by side with the
     cases; for torch's matmul, the dtype's peak (and the probe that set it) first."""
     unit = "GB/s" if key == "stream_read" else "GFLOP/s"
-    rates = [r["roofline_rate"] for r in results if r["roofline"] == key]
-    with_cases = (
-        f"the case: {rates[0]:.1f}"
-        if len(rates) == 1
-        else f"the cases: {min(rates):.1f} - {max(rates):.1f}"
-    )
-    summary = f"{key} = {roofline[key]:.1f} {unit} (with {with_cases})"
+    summary = f"{key} = {roofline[key]:.1f} {unit} ({_with_cases(results, key, 'roofline_rate')})"
     peak_key = peak_key_of(key)
     if peak_key is None:
         return summary
     peak = roofline.get(peak_key)
-    kind = f" ({peak_kinds[peak_key]})" if peak_key in peak_kinds else ""
-    peak_text = f"{peak_key} = {peak:.1f} GFLOP/s{kind}" if peak else f"{peak_key}: not measured"
-    return f"{peak_text}, torch {summary}"
+    if not peak:
+        return f"{peak_key}: not measured, torch {summary}"
+    source = f"{peak_kinds[peak_key]}; " if peak_key in peak_kinds else ""
+    with_cases = _with_cases(results, key, "peak_rate")
+    return f"{peak_key} = {peak:.1f} GFLOP/s ({source}{with_cases}), torch {summary}"
+
+
+def _with_cases(results: List[Dict], key: str, rate: str) -> str:
+    """The range of a rate over the cases of the key: "with the cases: 80.1 - 95.3"."""
+    rates = [r[rate] for r in results if r["roofline"] == key and r.get(rate)]
+    if len(rates) == 1:
+        return f"with the case: {rates[0]:.1f}"
+    return f"with the cases: {min(rates):.1f} - {max(rates):.1f}" if rates else "alone"
 
 
 def _append_summary(results: List[Dict]) -> List[str]:

@@ -8,7 +8,8 @@ a streaming read's GB/s (the roofline of the decode and cache cases) are probes 
 its work) that run once before the suites, for the run's headline numbers, and again side by
 side with every case's contenders, interleaved round by round (suites.run_case), so that the
 case and the probe run under the same conditions: on a shared VM the matmul's rate drifted by
-25% between suites of one run."""
+25% between suites of one run. The peak probe of the case's dtype runs with them too, and the
+higher of its two readings is the case's peak."""
 
 import glob
 from dataclasses import dataclass
@@ -124,6 +125,16 @@ def measure_peak_probes(quick: bool) -> Dict[str, float]:
     }
 
 
+def peak_probe(kind: str, gflops: float, seconds: float = 0.05) -> Probe:
+    """The peak probe of that kind as a Probe of about `seconds` a call at the rate measured,
+    for suites.run_case to time round by round with a case. Its wall time includes starting
+    the threads, so its rate reads at most the probe's own."""
+    per_iteration = _C._run_peak_probe(kind, 1)
+    flops = per_iteration["flops_per_iteration"] * per_iteration["threads"]
+    iterations = max(1, int(gflops * 1e9 * seconds / flops))
+    return Probe(lambda: _C._run_peak_probe(kind, iterations), flops * iterations)
+
+
 @dataclass
 class Peak:
     kind: str  # the probe that set it
@@ -156,7 +167,8 @@ def peak_key_of(probe_key: str) -> Optional[str]:
 
 @dataclass
 class Roofline:
-    probes: Dict[str, Probe]  # the probes suites.run_case times with each case
+    # The probes suites.run_case times with each case: those of ceilings' keys.
+    probes: Dict[str, Probe]
     # "matmul_<dtype>" (GFLOP/s), "stream_read" (GB/s): the probes' rates before the suites;
     # "peak_<dtype>" (GFLOP/s): the dtype's peak, where the device has peak probes.
     ceilings: Dict[str, float]
@@ -173,5 +185,6 @@ def measure_roofline(dtypes: Iterable[torch.dtype], device: torch.device, quick:
     found = probes(dtypes, device, quick)
     ceilings = measure(found, device, quick)
     ceilings.update({key: peak.rate for key, peak in peaks.items() if peak})
+    found.update({key: peak_probe(peak.kind, peak.rate) for key, peak in peaks.items() if peak})
     kinds = {key: peak.kind for key, peak in peaks.items() if peak}
     return Roofline(found, ceilings, readings, kinds)

@@ -90,8 +90,10 @@ SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QUANTIZED_DECODE_SHAPE = GQA_SHAPE
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
-# The step name of a case's roofline probe among its contenders' (run_case).
+# The step names of a case's probes among its contenders' (run_case): the probe of its
+# roofline_key, and the peak probe of its dtype.
 ROOFLINE_PROBE = "roofline_probe"
+PEAK_PROBE = "peak_probe"
 # The integrations suite: the same attention reached through each interface mha_ext offers
 # (FlashAttention's API, torch's SDPA provider hook, Hugging Face's attention function)
 # against the direct mha_ext call: one small forward (12 heads x 64, 128 tokens; fixed costs
@@ -1017,9 +1019,9 @@ def run_case(
     With probes, the case's probe (torch's matmul or the streaming read) is timed with the
     contenders (interleaved where they are) and roofline_fraction is of its rate there,
     recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
-    of arithmetic also gets peak_fraction, of the dtype's peak in roofline ("peak_<dtype>",
-    from the peak probes) where there is one: not clamped, so a kernel that beat the probe
-    would show it."""
+    of arithmetic also gets peak_fraction, of the dtype's peak where there is one: the higher
+    of roofline's "peak_<dtype>" and the rate of probes' "peak_<dtype>" timed with the case,
+    recorded as peak_rate. Not clamped: a kernel that beat both readings would show it."""
     unsupported = {}
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -1037,7 +1039,13 @@ def run_case(
             unsupported[name] = str(error).splitlines()[0]
             del case.steps[name]
     probe = (probes or {}).get(case.roofline_key)
-    steps = {**case.steps, ROOFLINE_PROBE: probe.step} if probe else case.steps
+    peak_key = peak_key_of(case.roofline_key)
+    peak_probe = (probes or {}).get(peak_key) if peak_key else None
+    steps = dict(case.steps)
+    if probe:
+        steps[ROOFLINE_PROBE] = probe.step
+    if peak_probe:
+        steps[PEAK_PROBE] = peak_probe.step
     if case.interleave:
         seconds = median_seconds(steps, warmup=1, repeats=repeats, device=device)
     else:
@@ -1050,8 +1058,9 @@ def run_case(
     ceiling = (
         probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     )
-    peak_key = peak_key_of(case.roofline_key)
     peak = roofline.get(peak_key) if peak_key else None
+    if peak_probe:
+        peak = max(peak or 0.0, peak_probe.work / seconds.pop(PEAK_PROBE) / 1e9)
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
