@@ -4,9 +4,12 @@
 #include <Python.h>
 
 #include <exception>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu/isa.h"
+#include "cpu/peak_probe.h"
 #include "python_calls.h"
 
 #if defined(MHA_EXT_WITH_CUDA)
@@ -76,10 +79,74 @@ PyObject* build_info(PyObject*, PyObject*) {
   return info;
 }
 
+// Private to mha_ext.bench.roofline: the names of the peak probes this process may run.
+PyObject* peak_probe_kinds(PyObject*, PyObject*) {
+  std::vector<mha_ext::cpu::PeakProbeKind> kinds;
+  try {
+    kinds = mha_ext::cpu::available_peak_probes();
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  PyObject* names = PyList_New(0);
+  for (mha_ext::cpu::PeakProbeKind kind : kinds) {
+    PyObject* name = PyUnicode_FromString(mha_ext::cpu::peak_probe_name(kind));
+    if (names == nullptr || name == nullptr || PyList_Append(names, name) != 0) Py_CLEAR(names);
+    Py_XDECREF(name);
+  }
+  return names;
+}
+
+// Private to mha_ext.bench.roofline: _run_peak_probe(kind, iterations) -> {"threads",
+// "iterations", "flops_per_iteration" (one thread's), "seconds" (the slowest thread's),
+// "gflops" (all threads')}.
+PyObject* run_peak_probe(PyObject*, PyObject* args) {
+  const char* name = nullptr;
+  long long iterations = 0;
+  if (!PyArg_ParseTuple(args, "sL:_run_peak_probe", &name, &iterations)) return nullptr;
+  mha_ext::cpu::PeakProbeKind kind;
+  mha_ext::cpu::PeakProbeResult result;
+  try {
+    kind = mha_ext::cpu::peak_probe_kind(name);
+    // The loop runs seconds on every thread: let other Python threads run meanwhile.
+    std::exception_ptr failure;
+    Py_BEGIN_ALLOW_THREADS;
+    try {
+      result = mha_ext::cpu::run_peak_probe(kind, iterations);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    Py_END_ALLOW_THREADS;
+    if (failure) std::rethrow_exception(failure);
+  } catch (const std::invalid_argument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+    return nullptr;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  PyObject* info = PyDict_New();
+  const bool ok =
+      info != nullptr && set_item(info, "threads", PyLong_FromLongLong(result.threads)) &&
+      set_item(info, "iterations", PyLong_FromLongLong(result.iterations)) &&
+      set_item(info, "flops_per_iteration",
+               PyFloat_FromDouble(mha_ext::cpu::peak_probe_flops_per_iteration(kind))) &&
+      set_item(info, "seconds", PyFloat_FromDouble(result.slowest_seconds)) &&
+      set_item(info, "gflops", PyFloat_FromDouble(result.gflops()));
+  if (!ok) Py_CLEAR(info);
+  return info;
+}
+
 PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS,
      "What this build of mha_ext compiled: torch version, CPU ISA variants (and the active "
      "one), CUDA version and architectures."},
+    {"_peak_probe_kinds", peak_probe_kinds, METH_NOARGS,
+     "Private (mha_ext.bench.roofline): the peak-arithmetic probes this CPU and "
+     "MHA_EXT_CPU_ISA allow."},
+    {"_run_peak_probe", run_peak_probe, METH_VARARGS,
+     "Private (mha_ext.bench.roofline): _run_peak_probe(kind, iterations) runs a peak probe on "
+     "every thread and returns its timing and GFLOP/s."},
     {nullptr, nullptr, 0, nullptr},
 };
 

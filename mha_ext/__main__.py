@@ -109,8 +109,7 @@ def generate(model: CausalLM, alphabet, new_tokens: int, kv_cache_dtype: str = "
 def compare_speed(quick: bool):
     seq = 256 if quick else 1024
     device = torch.device("cpu")
-    probes = roofline.probes([torch.float32], device, quick=True)
-    ceilings = roofline.measure(probes, device, quick=True)
+    measured = roofline.measure_roofline([torch.float32], device, quick=True)
     print(
         f"\nattention speed, GPT-2 small layer (12 heads x 64), batch 1, "
         f"{torch.get_num_threads()} threads "
@@ -120,8 +119,10 @@ def compare_speed(quick: bool):
         case = attention_case(
             suite, "gpt2-small", 12, 12, 64, seq, torch.float32, True, backward, device
         )
-        result = run_case(case, ceilings, device, repeats=3 if quick else 5, probes=probes)
-        print(report.format_suite(suite, [result], ceilings))
+        result = run_case(
+            case, measured.ceilings, device, repeats=3 if quick else 5, probes=measured.probes
+        )
+        print(report.format_suite(suite, [result], measured.ceilings, measured.peak_kinds))
 
 
 def main():

@@ -114,8 +114,13 @@ def test_bench_suites_write_json_and_tables(tmp_path):
         check=True,
     )
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["roofline"]) == {"matmul_float32", "stream_read"}
+    assert set(data["roofline"]) == {"matmul_float32", "peak_float32", "stream_read"}
     assert all(value > 0 for value in data["roofline"].values())
+    # the fp32 peak: the fastest fp32 probe this CPU ran
+    readings = data["machine"]["peak_probes"]
+    kind = data["machine"]["peak_kinds"]["peak_float32"]
+    assert data["roofline"]["peak_float32"] == readings[kind]
+    assert readings[kind] == max(readings[k] for k in roofline.FP32_PEAK_PROBES if k in readings)
     assert all(entry["roofline_rate"] > 0 for entry in data["results"])
     suites = [r["suite"] for r in data["results"]]
     assert suites.count("forward") == 2 and suites.count("gqa_prefill") == 1
@@ -129,6 +134,8 @@ def test_bench_suites_write_json_and_tables(tmp_path):
             and mha["roofline_fraction"] > 0
             and mha["speedup_vs_baseline"] > 0
         )
+        if entry["unit"] == "GFLOP/s":
+            assert mha["peak_fraction"] > 0
     for entry in data["results"]:
         if (
             entry["suite"] == "paged_decode"

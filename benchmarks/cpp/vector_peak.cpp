@@ -1,72 +1,57 @@
-// Peak arithmetic of one core for the two AVX-512 instructions a CPU attention kernel can
-// build bf16 products on: VFMADD231PS (fp32 FMA, what mha_ext's kernels use after widening
-// bf16 to fp32) and VDPBF16PS (AVX512-BF16 dot product of bf16 pairs into fp32). Each loop
-// keeps 16 independent accumulators in registers, so throughput, not latency, bounds it.
-// FLOPs count 2 per multiply-add: 32 per FMA, 64 per dot-product instruction.
+// Peak arithmetic of this CPU from mha_ext's own peak probes (csrc/cpu/peak_probe.h), the
+// roofline that `python -m mha_ext.bench` prints: per probe the CPU and MHA_EXT_CPU_ISA
+// allow, GFLOP/s on one thread and on all of at::get_num_threads() (OMP_NUM_THREADS), each the
+// fastest of five runs of at least 0.2 s.
 //
-//   build/cmake/vector_peak            (prints GFLOP/s per core; exits 0 without AVX512-BF16)
-#include <immintrin.h>
+//   build/cmake/vector_peak           (--smoke: every probe once, briefly, as ctest runs it)
+#include <ATen/Parallel.h>
 
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "cpu/peak_probe.h"
 
 namespace {
 
-constexpr long kIterations = 100'000'000;
-constexpr int kAccumulators = 16;
-
-template <typename Body>
-double gflops(double flops_per_iteration, Body&& body) {
-  const auto start = std::chrono::steady_clock::now();
-  const float sink = body();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (sink == 1.0f) std::puts("");  // keeps the result alive
-  return flops_per_iteration * kIterations / seconds / 1e9;
-}
-
-__attribute__((target("avx512f"))) float fma_loop() {
-  __m512 acc[kAccumulators];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  const __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
-  for (long i = 0; i < kIterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_fmadd_ps(x, y, acc[j]);
+// GFLOP/s of the kind on the current thread count: the fastest of `runs` runs of at least
+// min_seconds.
+double peak_gflops(mha_ext::cpu::PeakProbeKind kind, double min_seconds, int runs) {
+  int64_t iterations = 1000;
+  mha_ext::cpu::PeakProbeResult run = mha_ext::cpu::run_peak_probe(kind, iterations);
+  while (run.slowest_seconds < min_seconds) {
+    iterations *= 2;
+    run = mha_ext::cpu::run_peak_probe(kind, iterations);
   }
-  float total = 0;
-  for (auto& a : acc) total += _mm512_reduce_add_ps(a);
-  return total;
-}
-
-__attribute__((target("avx512f,avx512bf16"))) float dot_loop() {
-  __m512 acc[kAccumulators];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1)
-  for (long i = 0; i < kIterations; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kAccumulators; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], x, x);
+  double best = run.gflops();
+  for (int i = 1; i < runs; ++i) {
+    best = std::max(best, mha_ext::cpu::run_peak_probe(kind, iterations).gflops());
   }
-  float total = 0;
-  for (auto& a : acc) total += _mm512_reduce_add_ps(a);
-  return total;
+  return best;
 }
 
 }  // namespace
 
-int main() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) {
-    std::puts("vector_peak: no AVX-512 on this CPU");
-    return 0;
+int main(int argc, char** argv) {
+  const bool smoke = argc > 1 && std::strcmp(argv[1], "--smoke") == 0;
+  const double min_seconds = smoke ? 0.0 : 0.2;
+  const int runs = smoke ? 1 : 5;
+  try {
+    const int threads = at::get_num_threads();
+    const std::string all_threads = std::to_string(threads) + " threads";
+    std::printf("%-18s %14s %14s\n", "GFLOP/s", "1 thread", all_threads.c_str());
+    for (mha_ext::cpu::PeakProbeKind kind : mha_ext::cpu::available_peak_probes()) {
+      at::set_num_threads(1);
+      const double one = peak_gflops(kind, min_seconds, runs);
+      at::set_num_threads(threads);
+      const double all = peak_gflops(kind, min_seconds, runs);
+      std::printf("%-18s %14.1f %14.1f\n", mha_ext::cpu::peak_probe_name(kind), one, all);
+    }
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "vector_peak: %s\n", error.what());
+    return 1;
   }
-  const double fma = gflops(32.0 * kAccumulators, fma_loop);
-  std::printf("one core: VFMADD231PS (fp32 FMA)     %7.1f GFLOP/s\n", fma);
-  if (!__builtin_cpu_supports("avx512bf16")) {
-    std::puts("one core: VDPBF16PS: no AVX512-BF16 on this CPU");
-    return 0;
-  }
-  const double dot = gflops(64.0 * kAccumulators, dot_loop);
-  std::printf("one core: VDPBF16PS (bf16 dot, fp32) %7.1f GFLOP/s = %.2fx the fp32 FMA\n", dot,
-              dot / fma);
   return 0;
 }

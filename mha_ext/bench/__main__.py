@@ -8,7 +8,8 @@
     python -m mha_ext.bench --suite flex --seq 2048 --context 4096   # against FlexAttention
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
-machine's roofline, measured side by side with each case), and writes results.json and one
+CPU's measured peak for the dtype and of torch's matmul, or of a streaming read for the cache
+suites, the last two measured side by side with each case), and writes results.json and one
 PNG per suite (with matplotlib installed) to --out.
 """
 
@@ -166,15 +167,11 @@ def main(argv=None):
         f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}"
     )
     print("measuring the roofline ...", flush=True)
-    probes = roofline.probes(dtypes, device, args.quick)
-    ceilings = roofline.measure(probes, device, args.quick)
-    print(
-        "roofline: "
-        + ", ".join(
-            f"{k} {v:.1f} {'GB/s' if k == 'stream_read' else 'GFLOP/s'}"
-            for k, v in ceilings.items()
-        )
-    )
+    measured = roofline.measure_roofline(dtypes, device, args.quick)
+    probes, ceilings = measured.probes, measured.ceilings
+    machine["peak_probes"] = measured.peak_readings
+    machine["peak_kinds"] = measured.peak_kinds
+    print(report.format_roofline(measured))
 
     factories = build_cases(
         args.suite,
@@ -214,7 +211,7 @@ def main(argv=None):
         suite_results = [r for r in results if r["suite"] == suite]
         if suite_results:
             print()
-            print(report.format_suite(suite, suite_results, ceilings))
+            print(report.format_suite(suite, suite_results, ceilings, measured.peak_kinds))
     out = Path(args.out)
     report.write_json(out / "results.json", machine, ceilings, results)
     print(f"\nwrote {out / 'results.json'}")

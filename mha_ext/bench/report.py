@@ -2,8 +2,9 @@
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+from .roofline import Roofline, peak_key_of
 from .suites import CALLS_PER_STEP
 
 SUITE_TITLES = {
@@ -26,6 +27,39 @@ PER_CALL_SUITES = {"call_overhead", "integrations"}
 TABLE_ONLY_SUITES = PER_CALL_SUITES | {"variants", "varlen", "context_parallel", "flex"}
 
 
+# mha_ext's fraction columns: of the dtype's measured peak and of torch's matmul timed with
+# the case (cases of arithmetic), or of the streaming read timed with the case (of bytes).
+PEAK_COLUMN = "mha_ext % peak"
+MATMUL_COLUMN = "% torch matmul"
+STREAM_COLUMN = "mha_ext % stream read"
+
+
+def format_roofline(measured: Roofline) -> str:
+    """The run's peak probe readings and, per key, the ceilings the suites compare with."""
+    lines = []
+    if measured.peak_readings:
+        lines.append(
+            "peak probes (GFLOP/s, all threads): "
+            + ", ".join(f"{kind} {rate:.1f}" for kind, rate in measured.peak_readings.items())
+        )
+    parts = []
+    for key, value in measured.ceilings.items():
+        unit = "GB/s" if key == "stream_read" else "GFLOP/s"
+        source = f" ({measured.peak_kinds[key]})" if key in measured.peak_kinds else ""
+        label = f"torch {key}" if key.startswith("matmul_") else key
+        parts.append(f"{label} {value:.1f} {unit}{source}")
+    lines.append("roofline: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def _fractions(result: Dict) -> Dict[str, Optional[float]]:
+    """mha_ext's fraction columns of one case; None where it was not timed or has no peak."""
+    mha = result["results"].get("mha_ext") or {}
+    if result["roofline"] == "stream_read":
+        return {STREAM_COLUMN: mha.get("roofline_fraction")}
+    return {PEAK_COLUMN: mha.get("peak_fraction"), MATMUL_COLUMN: mha.get("roofline_fraction")}
+
+
 def _contenders(results: List[Dict]) -> List[str]:
     names: List[str] = []
     for result in results:
@@ -35,10 +69,17 @@ def _contenders(results: List[Dict]) -> List[str]:
     return names
 
 
-def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) -> str:
+def format_suite(
+    suite: str,
+    results: List[Dict],
+    roofline: Dict[str, float],
+    peak_kinds: Optional[Dict[str, str]] = None,
+) -> str:
     """One suite's table: each contender's throughput (time per call in PER_CALL_SUITES),
-    mha_ext's ratio to the baseline and its fraction of the roofline measured with the case
-    (run_case). The decode suite's 8-bit cache cases get a table of their own."""
+    mha_ext's ratio to the baseline, its fraction of the dtype's peak and of torch's matmul
+    measured with the case, or of the streaming read measured with the case (run_case). The
+    decode suite's 8-bit cache cases get a table of their own. peak_kinds: "peak_<dtype>" ->
+    the probe that set it, for the summary line."""
     if suite == "context_parallel":
         return _context_parallel_table(results)
     quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
@@ -52,7 +93,7 @@ def format_suite(suite: str, results: List[Dict], roofline: Dict[str, float]) ->
     lines.append(
         "roofline: "
         + ", ".join(
-            _roofline_summary(key, roofline[key], results + quantized)
+            _roofline_summary(key, roofline, results + quantized, peak_kinds or {})
             for key in sorted({r["roofline"] for r in results + quantized})
         )
     )
@@ -72,7 +113,10 @@ def _contender_table(suite: str, results: List[Dict]) -> List[str]:
     baseline = results[0]["baseline"]
     label_width = max(len(r["label"]) for r in results) + 2
     header = f"{'case':<{label_width}}" + "".join(f"{name:>22}" for name in contenders)
-    header += f"{'mha_ext / ' + baseline:>28}{'mha_ext % roofline':>20}"
+    fraction_columns = []
+    for result in results:
+        fraction_columns += [c for c in _fractions(result) if c not in fraction_columns]
+    header += f"{'mha_ext / ' + baseline:>28}" + "".join(f"{c:>23}" for c in fraction_columns)
     lines = [f"{SUITE_TITLES[suite]} ({unit})", header, "-" * len(header)]
     for result in results:
         line = f"{result['label']:<{label_width}}"
@@ -87,7 +131,10 @@ def _contender_table(suite: str, results: List[Dict]) -> List[str]:
         mha = result["results"].get("mha_ext")
         ratio = mha.get("speedup_vs_baseline") if mha else None
         line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
-        line += f"{100 * mha['roofline_fraction']:>19.0f}%" if mha else f"{'n/a':>20}"
+        fractions = _fractions(result)
+        for column in fraction_columns:
+            fraction = fractions.get(column)
+            line += f"{100 * fraction:>22.0f}%" if fraction is not None else f"{'n/a':>23}"
         lines.append(line)
     return lines
 
@@ -189,16 +236,30 @@ def _context_parallel_table(results: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def _roofline_summary(key: str, headline: float, results: List[Dict]) -> str:
-    """key = its rate before the suites, and the range of its rates side by side with the cases."""
+def _roofline_summary(
+    key: str, roofline: Dict[str, float], results: List[Dict], peak_kinds: Dict[str, str]
+) -> str:
+    """key = its rate before the suites and the range of its rates side by side with the
+    cases; for torch's matmul, the dtype's peak (and the probe that set it) first."""
     unit = "GB/s" if key == "stream_read" else "GFLOP/s"
-    rates = [r["roofline_rate"] for r in results if r["roofline"] == key]
-    with_cases = (
-        f"the case: {rates[0]:.1f}"
-        if len(rates) == 1
-        else f"the cases: {min(rates):.1f} - {max(rates):.1f}"
-    )
-    return f"{key} = {headline:.1f} {unit} (with {with_cases})"
+    summary = f"{key} = {roofline[key]:.1f} {unit} ({_with_cases(results, key, 'roofline_rate')})"
+    peak_key = peak_key_of(key)
+    if peak_key is None:
+        return summary
+    peak = roofline.get(peak_key)
+    if not peak:
+        return f"{peak_key}: not measured, torch {summary}"
+    source = f"{peak_kinds[peak_key]}; " if peak_key in peak_kinds else ""
+    with_cases = _with_cases(results, key, "peak_rate")
+    return f"{peak_key} = {peak:.1f} GFLOP/s ({source}{with_cases}), torch {summary}"
+
+
+def _with_cases(results: List[Dict], key: str, rate: str) -> str:
+    """The range of a rate over the cases of the key: "with the cases: 80.1 - 95.3"."""
+    rates = [r[rate] for r in results if r["roofline"] == key and r.get(rate)]
+    if len(rates) == 1:
+        return f"with the case: {rates[0]:.1f}"
+    return f"with the cases: {min(rates):.1f} - {max(rates):.1f}" if rates else "alone"
 
 
 def _append_summary(results: List[Dict]) -> List[str]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .. import functional
 from ..kv_cache import PagedKVCache
 from ..reference import attention_reference
-from .roofline import Probe, cpu_cache_bytes
+from .roofline import Probe, cpu_cache_bytes, peak_key_of
 from .timing import median_seconds
 
 # Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
@@ -94,8 +94,10 @@ SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QUANTIZED_DECODE_SHAPE = GQA_SHAPE
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
-# The step name of a case's roofline probe among its contenders' (run_case).
+# The step names of a case's probes among its contenders' (run_case): the probe of its
+# roofline_key, and the peak probe of its dtype.
 ROOFLINE_PROBE = "roofline_probe"
+PEAK_PROBE = "peak_probe"
 # The integrations suite: the same attention reached through each interface mha_ext offers
 # (FlashAttention's API, torch's SDPA provider hook, Hugging Face's attention function)
 # against the direct mha_ext call: one small forward (12 heads x 64, 128 tokens; fixed costs
@@ -113,6 +115,8 @@ class Case:
     params: Dict
     work: float  # FLOPs or bytes of one step
     unit: str  # "GFLOP/s" or "GB/s"
+    # The probe timed with the case (roofline.probes): "matmul_<dtype>", torch's matmul,
+    # beside the dtype's peak for arithmetic; "stream_read", the roofline of bytes.
     roofline_key: str
     steps: Dict[str, Callable[[], None]]
     baseline: str = "torch_sdpa"
@@ -1029,9 +1033,12 @@ def run_case(
     """Times a case; returns its JSON-ready result. A contender with no kernel for this
     device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
     where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
-    With probes, the probe of the case's roofline is timed with the contenders (interleaved
-    where they are) and the fractions are of its rate there, recorded as roofline_rate;
-    without, of roofline's (the run's headline ceilings)."""
+    With probes, the case's probe (torch's matmul or the streaming read) is timed with the
+    contenders (interleaved where they are) and roofline_fraction is of its rate there,
+    recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
+    of arithmetic also gets peak_fraction, of the dtype's peak where there is one: the higher
+    of roofline's "peak_<dtype>" and the rate of probes' "peak_<dtype>" timed with the case,
+    recorded as peak_rate. Not clamped: a kernel that beat both readings would show it."""
     unsupported = dict(case.unsupported)
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -1049,7 +1056,13 @@ def run_case(
             unsupported[name] = str(error).splitlines()[0]
             del case.steps[name]
     probe = (probes or {}).get(case.roofline_key)
-    steps = {**case.steps, ROOFLINE_PROBE: probe.step} if probe else case.steps
+    peak_key = peak_key_of(case.roofline_key)
+    peak_probe = (probes or {}).get(peak_key) if peak_key else None
+    steps = dict(case.steps)
+    if probe:
+        steps[ROOFLINE_PROBE] = probe.step
+    if peak_probe:
+        steps[PEAK_PROBE] = peak_probe.step
     if case.interleave:
         seconds = median_seconds(steps, warmup=1, repeats=repeats, device=device)
     else:
@@ -1062,6 +1075,9 @@ def run_case(
     ceiling = (
         probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     )
+    peak = roofline.get(peak_key) if peak_key else None
+    if peak_probe:
+        peak = max(peak or 0.0, peak_probe.work / seconds.pop(PEAK_PROBE) / 1e9)
     results = {}
     for name, step_seconds in seconds.items():
         calls = case.per_call.get(name, 1)
@@ -1071,6 +1087,8 @@ def run_case(
             "throughput": throughput,
             "roofline_fraction": throughput / ceiling,
         }
+        if peak:
+            results[name]["peak_fraction"] = throughput / peak
     if case.baseline in results:
         baseline = results[case.baseline]["seconds_per_call"]
         for entry in results.values():
@@ -1082,6 +1100,8 @@ def run_case(
         "unit": case.unit,
         "roofline": case.roofline_key,
         "roofline_rate": ceiling,
+        "peak": peak_key if peak else None,
+        "peak_rate": peak,
         "baseline": case.baseline,
         "results": results,
         "unsupported": unsupported,
