@@ -1,4 +1,4 @@
-"""python -m mha_ext.bench: mha_ext against torch SDPA and the naive attention, in one run.
+r"""python -m mha_ext.bench: mha_ext against torch SDPA and the naive attention, in one run.
 
     python -m mha_ext.bench --quick              # every suite but flex, small, under 2 minutes
     python -m mha_ext.bench --suite forward --models llama2-7b --seq 1024 4096 --dtype bfloat16
