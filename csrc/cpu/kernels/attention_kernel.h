@@ -669,9 +669,9 @@ inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& l
 // llama2-70b forward). Packing on first use, inside the tasks' parallel region, instead of in
 // a region of its own before them spares each call a second region, whose wake-up and join
 // cost whole scheduler ticks when other processes load the cores, and writes each tile
-// while the task that packs it still has it in cache (bf16 window (256, 0), B1 H8 S2048
-// D128, 2 threads on 2 loaded cores: 24 -> 12-20 ms, causal 48 -> 24-36 ms;
-// `python -m mha_ext.bench --suite flex --dtype bfloat16 --seq 2048`).
+// while the task that packs it still has it in cache (B1 H8 S2048 D128, 2 threads, the 2
+// cores loaded by other processes, medians of 30 alternating calls: window (256, 0) 18-23 ->
+// 15 ms, causal 30-38 -> 24-25 ms; on quiet cores the same within noise).
 class SharedKvTiles {
  public:
   SharedKvTiles(const AttentionForwardParams& p, const PackedKvTiles& layout)
