@@ -19,6 +19,10 @@
 // softmax in fp32; other dtypes and CPUs use the fp32 tile GEMMs above.
 //
 // Included by one translation unit per CPU ISA (kernels_<isa>.cpp).
+#include <atomic>
+#include <optional>
+#include <vector>
+
 #include "cpu/parallel.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/native/CPUBlas.h>
@@ -659,18 +663,45 @@ inline void pack_kv_tile(const AttentionForwardParams& p, const PackedKvTiles& l
   pack_row_pairs(v, p.v_strides.row, cols, p.head_dim_v, dst + layout.kt_words, p.head_dim_v);
 }
 
-// Fills the kv_pairs workspace with every (batch, kv head, key tile)'s pack_kv_tile.
-inline void pack_kv_tiles(const AttentionForwardParams& p, const PackedKvTiles& layout) {
-  const int64_t key_tiles = layout.key_tiles;
-  parallel_for(0, p.batch * p.num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t batch = index / (p.num_kv_heads * key_tiles),
-                    kv_head = index / key_tiles % p.num_kv_heads;
-      const int64_t key0 = index % key_tiles * layout.key_tile;
-      pack_kv_tile(p, layout, batch, kv_head, key0, layout.tile(p, batch, kv_head, key0));
+// The packed tiles of a call's kv_pairs workspace where several tasks (chunks of query
+// blocks) read each tile: the first task to need a tile packs it there, once for all of them
+// (packed per task, every chunk redid them, up to 16 times per tile at S 1024, 4-8% of the
+// llama2-70b forward). Packing on first use, inside the tasks' parallel region, instead of in
+// a region of its own before them spares each call a second region, whose wake-up and join
+// cost whole scheduler ticks when other processes load the cores, and writes each tile
+// while the task that packs it still has it in cache (B1 H8 S2048 D128, 2 threads, the 2
+// cores loaded by other processes, medians of 30 alternating calls: window (256, 0) 18-23 ->
+// 15 ms, causal 30-38 -> 24-25 ms; on quiet cores the same within noise).
+class SharedKvTiles {
+ public:
+  SharedKvTiles(const AttentionForwardParams& p, const PackedKvTiles& layout)
+      : p_(p), layout_(layout), state_(p.batch * p.num_kv_heads * layout.key_tiles) {}
+
+  // The packed tile of keys from key0 of (batch, kv head). A tile another thread is packing
+  // at that moment is packed again into spare ([layout.tile_words]) rather than waited for:
+  // the packer may be descheduled. Both copies hold the same words.
+  const uint32_t* tile(int64_t batch, int64_t kv_head, int64_t key0, uint32_t* spare) {
+    std::atomic<uint8_t>& state =
+        state_[(batch * p_.num_kv_heads + kv_head) * layout_.key_tiles + key0 / layout_.key_tile];
+    uint32_t* shared = layout_.tile(p_, batch, kv_head, key0);
+    if (state.load(std::memory_order_acquire) == kPacked) return shared;
+    uint8_t unpacked = kUnpacked;
+    if (!state.compare_exchange_strong(unpacked, kPacking, std::memory_order_acquire)) {
+      if (unpacked == kPacked) return shared;
+      pack_kv_tile(p_, layout_, batch, kv_head, key0, spare);
+      return spare;
     }
-  });
-}
+    pack_kv_tile(p_, layout_, batch, kv_head, key0, shared);
+    state.store(kPacked, std::memory_order_release);
+    return shared;
+  }
+
+ private:
+  static constexpr uint8_t kUnpacked = 0, kPacking = 1, kPacked = 2;
+  const AttentionForwardParams& p_;
+  const PackedKvTiles& layout_;
+  std::vector<std::atomic<uint8_t>> state_;  // per (batch, kv head, key tile), kUnpacked first
+};
 
 inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
                                           const AttentionWorkspaces& w) {
@@ -678,13 +709,12 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
   using Vec = at::vec::Vectorized<float>;
   const int64_t key_tile = bf16_key_tile(p.head_dim);
   const ForwardPlan plan = plan_forward(p);
-  // Where several tasks (chunks of query blocks) read each key tile, the tiles are packed
-  // once for all of them: packed per task, every chunk redid them (up to 16 times per tile
-  // at S 1024, 4-8% of the llama2-70b forward). A single chunk packs its tiles itself, which
-  // spares small calls a parallel region.
+  // Where several tasks (chunks of query blocks) read each key tile, they share one packed
+  // copy (SharedKvTiles); a single chunk packs each tile into its own scratch as it goes.
   const PackedKvTiles layout(p, key_tile, w.kv_pairs);
-  const bool prepacked = plan.chunks > 1;
-  if (prepacked) pack_kv_tiles(p, layout);
+  const bool shared_tiles = plan.chunks > 1;
+  std::optional<SharedKvTiles> shared;
+  if (shared_tiles) shared.emplace(p, layout);
   const int64_t ld_dv = round_up(p.head_dim_v, Vec::size());
   const int64_t sub_rows = plan.sub_blocks * kQueryBlock;
   const float scale = static_cast<float>(p.scale);
@@ -692,10 +722,10 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
   // fp32 words: S [sub_rows, key_tile], P in bf16 [sub_rows, key_tile] (half the words),
   // O accumulators [sub_rows, ld_dv], row max in log2 units [sub_rows], partial row sums
   // [sub_rows, kSumLanes], fp32 P of one sub-block for dropout [kQueryBlock, key_tile], the
-  // task's own packed tile where not prepacked.
+  // task's own packed tile.
   const int64_t scratch_size = sub_rows * key_tile + sub_rows * key_tile / 2 + sub_rows * ld_dv +
                                sub_rows + sub_rows * kSumLanes + kQueryBlock * key_tile +
-                               (prepacked ? 0 : layout.tile_words);
+                               layout.tile_words;
 
   parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
     float* s_tiles = thread_scratch<float>(scratch_size);  // [sub_rows, key_tile]
@@ -723,9 +753,10 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t key0 = first_tile + (last_tile_first ? tiles - 1 - t : t) * key_tile;
         const int64_t cols = std::min(key_tile, p.seq_k - key0);
-        if (!prepacked) pack_kv_tile(p, layout, batch, task.kv_head, key0, own_tile);
+        if (!shared_tiles) pack_kv_tile(p, layout, batch, task.kv_head, key0, own_tile);
         // [head_dim / 2, key_tile]
-        const uint32_t* kt_pairs = prepacked ? layout.tile(p, batch, task.kv_head, key0) : own_tile;
+        const uint32_t* kt_pairs =
+            shared_tiles ? shared->tile(batch, task.kv_head, key0, own_tile) : own_tile;
         const uint32_t* v_pairs = kt_pairs + layout.kt_words;  // [key_tile / 2, head_dim_v]
 
         // The sub-blocks' products go in two runs, all S = Q K^T and then all O += P V:
