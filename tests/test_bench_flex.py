@@ -59,6 +59,22 @@ def test_flex_suite_checks_then_times_each_case(tmp_path, capsys):
     windows = [c["params"].get("window") for c in cases if c["params"]["case"] == "window"]
     assert windows == [[flex.WINDOW_LEFT, 0]] * 2
     assert "mha_ext / flex" in stdout and "flex compile s" in stdout
+    # the fraction columns the other tables print: prefill of the dtype's peak and of torch's
+    # matmul, decode of the streaming read, each in its own column
+    table = stdout[stdout.index("against FlexAttention") :].splitlines()
+    header = table[1]
+    for column in (report.PEAK_COLUMN, report.MATMUL_COLUMN, report.STREAM_COLUMN):
+        assert column in header
+    stream_end = header.index(report.STREAM_COLUMN) + len(report.STREAM_COLUMN)
+    peak_end = header.index(report.PEAK_COLUMN) + len(report.PEAK_COLUMN)
+    rows = [
+        line for line in table[3:] if line.startswith(("causal", "window", "softcap", "decode"))
+    ]
+    assert len(rows) == len(cases)
+    for row in rows:
+        decode = row.startswith("decode")
+        assert row[stream_end - 1] == ("%" if decode else " "), row
+        assert row[peak_end - 1] == (" " if decode else "%"), row
 
 
 def _run_and_format(case):

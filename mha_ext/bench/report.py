@@ -141,10 +141,12 @@ def _contender_table(suite: str, results: List[Dict]) -> List[str]:
 
 def _flex_table(results: List[Dict]) -> List[str]:
     """Per case: each contender's throughput, flex's time over mha_ext's (> 1: mha_ext is
-    faster), mha_ext's fraction of the roofline, FlexAttention's compile (its first call) and
-    the largest difference of its output from mha_ext's; where flex is not timed, n/a and why."""
+    faster), mha_ext's fractions of the roofline as the other tables give them (_fractions),
+    FlexAttention's compile (its first call) and the largest difference of its output from
+    mha_ext's; where flex is not timed, n/a and why."""
     label_width = max(len(r["label"]) for r in results) + 2
-    columns = ["mha_ext", "flex", "mha_ext / flex", "mha_ext % roofline", "flex compile s"]
+    fraction_columns = [PEAK_COLUMN, MATMUL_COLUMN, STREAM_COLUMN]
+    columns = ["mha_ext", "flex", "mha_ext / flex", *fraction_columns, "flex compile s"]
     columns.append("max |flex - mha_ext|")
     header = f"{'case':<{label_width}}{'unit':>9}" + "".join(f"{c:>21}" for c in columns)
     lines = [SUITE_TITLES["flex"], header, "-" * len(header)]
@@ -155,8 +157,10 @@ def _flex_table(results: List[Dict]) -> List[str]:
             line += f"{timed[name]['throughput']:>21.4g}" if name in timed else f"{'n/a':>21}"
         ratio = timed.get("mha_ext", {}).get("speedup_vs_baseline")
         line += f"{ratio:>20.2f}x" if ratio else f"{'n/a':>21}"
-        mha = timed.get("mha_ext")
-        line += f"{100 * mha['roofline_fraction']:>20.0f}%" if mha else f"{'n/a':>21}"
+        fractions = _fractions(result)
+        for column in fraction_columns:
+            fraction = fractions.get(column)
+            line += f"{100 * fraction:>20.0f}%" if fraction is not None else f"{'':>21}"
         for key, form in (("flex_compile_seconds", ".1f"), ("flex_max_difference", ".2g")):
             line += f"{checks[key]:>21{form}}" if key in checks else f"{'n/a':>21}"
         if result["unsupported"]:
