@@ -20,7 +20,7 @@ import torch
 from .. import functional
 from ..kv_cache import PagedKVCache
 from .roofline import cpu_cache_bytes
-from .suites import Case, dtype_name
+from .suites import Case, dtype_name, fill_cache_layers
 
 # torch.compile's backend for FlexAttention; the tests swap in "eager" (the same graph run by
 # torch's reference implementation, no code generation).
@@ -203,22 +203,8 @@ def _decode_case(context: int, batch: int, dtype: torch.dtype, device: torch.dev
         torch_pages.reserve(sequence, torch.tensor(context, device=device))
     positions = torch.arange(context, device=device).expand(batch, context)  # (B, S)
     torch_caches = []  # per layer: K, V   (1, Hkv, pages * PAGE_SIZE, D)
-    for layer in range(layers):
-        # (B, Hkv, S, D) each
-        k, v = (
-            torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(
-                device=device, dtype=dtype
-            )
-            for _ in range(2)
-        )
-        # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
-        functional.paged_kv_append(
-            k.transpose(1, 2).flatten(0, 1),
-            v.transpose(1, 2).flatten(0, 1),
-            cache.key_caches[layer],
-            cache.value_caches[layer],
-            prefill.slot_mapping,
-        )
+    shape = (batch, kv_heads, context, head_dim)
+    for k, v in fill_cache_layers(cache, prefill.slot_mapping, shape, dtype, generator):
         k_pages, v_pages = (
             torch.zeros(1, kv_heads, pages * PAGE_SIZE, head_dim, device=device, dtype=dtype)
             for _ in range(2)

@@ -14,7 +14,7 @@ suite (context_parallel.py) runs on spawned ranks instead of as Cases here.
 import contextlib
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +234,33 @@ def attention_case(
     )
 
 
+def fill_cache_layers(
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    shape: Tuple[int, int, int, int],
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Appends random K and V of shape (B, Hkv, S, D) and dtype to every layer of the cache at
+    the prefill's slot_mapping (B * S slots, sequence by sequence); returns each layer's K, V."""
+    device = cache.key_caches[0].device
+    layers = []
+    for layer in range(len(cache.key_caches)):
+        k, v = (
+            torch.randn(shape, generator=generator).to(device=device, dtype=dtype) for _ in range(2)
+        )
+        # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
+        functional.paged_kv_append(
+            k.transpose(1, 2).flatten(0, 1),
+            v.transpose(1, 2).flatten(0, 1),
+            cache.key_caches[layer],
+            cache.value_caches[layer],
+            slot_mapping,
+        )
+        layers.append((k, v))
+    return layers
+
+
 def _decode_case(
     name,
     heads,
@@ -275,21 +302,8 @@ def _decode_case(
     seqs = [cache.allocate() for _ in range(batch)]
     prefill = cache.prepare(seqs, [context] * batch)
     contiguous = []  # per layer: K, V   (B, Hkv, S, D)
-    for layer in range(layers):
-        k, v = (
-            torch.randn(batch, kv_heads, context, head_dim, generator=generator).to(
-                device=device, dtype=dtype
-            )
-            for _ in range(2)
-        )
-        # (B, Hkv, S, D) -> (B * S, Hkv, D), the token order of the slot mapping
-        functional.paged_kv_append(
-            k.transpose(1, 2).flatten(0, 1),
-            v.transpose(1, 2).flatten(0, 1),
-            cache.key_caches[layer],
-            cache.value_caches[layer],
-            prefill.slot_mapping,
-        )
+    shape = (batch, kv_heads, context, head_dim)
+    for k, v in fill_cache_layers(cache, prefill.slot_mapping, shape, dtype, generator):
         # The keys the query sees, contiguous: (B, Hkv, keys_read, D)
         contiguous.append(tuple(t[:, :, context - keys_read :].contiguous() for t in (k, v)))
     q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device=device, dtype=dtype)
