@@ -8,11 +8,15 @@
 //
 // The entry points derive from the op functions' signatures (ops/op_signature.h): each reads
 // its positional arguments by their C++ types and names them, in errors, as the schema does.
+// One more, _sdpa_in_kernel_layout, is scaled_dot_product_attention's whole call for inputs
+// that need none of its Python checks' adaptations.
 #include "python_calls.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -173,6 +177,75 @@ PyObject* op_signatures(PyObject*, PyObject*) {
   return dict;
 }
 
+const at::Tensor* tensor_or_null(PyObject* arg) {
+  return THPVariable_Check(arg) ? &THPVariable_Unpack(arg) : nullptr;
+}
+
+bool is_kernel_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+         dtype == at::kHalf;
+}
+
+// mha_ext.functional.scaled_dot_product_attention's way for its commonest calls, those of a
+// decode loop, whose Python checks cost more than the kernel at (1, 1, 1, 64): arguments
+// (query, key, value, is_causal, scale, enable_gqa), the call's own with no mask and no
+// dropout. Returns the output where the inputs are already the kernels' query (B, H, L, E),
+// key (B, Hkv, S, E), value (B, Hkv, S, Ev): dense, nonempty, one kernel dtype and device,
+// contiguous rows, heads equal or grouped under enable_gqa, and scale None or a float; there
+// every Python check would pass and adapt nothing. Returns None for all other inputs, which
+// then take the Python path. The caller has checked calls_directly (mha_ext/ops.py).
+PyObject* sdpa_in_kernel_layout(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  HANDLE_TH_ERRORS
+  if (count != 6) {
+    throw c10::TypeError({__func__, __FILE__, __LINE__},
+                         c10::str("_sdpa_in_kernel_layout takes 6 positional arguments (query, "
+                                  "key, value, is_causal, scale, enable_gqa), got ",
+                                  count));
+  }
+  const at::Tensor* query = tensor_or_null(args[0]);
+  const at::Tensor* key = tensor_or_null(args[1]);
+  const at::Tensor* value = tensor_or_null(args[2]);
+  PyObject* scale_arg = args[4];
+  const bool plain_arguments = query != nullptr && key != nullptr && value != nullptr &&
+                               PyBool_Check(args[3]) && PyBool_Check(args[5]) &&
+                               (scale_arg == Py_None || PyFloat_CheckExact(scale_arg));
+  if (!plain_arguments) Py_RETURN_NONE;
+  for (const at::Tensor* tensor : {query, key, value}) {
+    if (tensor->is_nested() || tensor->layout() != at::kStrided || tensor->dim() != 4 ||
+        tensor->unsafeGetTensorImpl()->has_symbolic_sizes_strides() || tensor->stride(3) != 1) {
+      Py_RETURN_NONE;
+    }
+  }
+  const at::IntArrayRef q_sizes = query->sizes(), k_sizes = key->sizes(), v_sizes = value->sizes();
+  const int64_t heads = q_sizes[1], kv_heads = k_sizes[1];
+  const bool grouped = args[5] == Py_True;
+  const bool heads_fit = grouped ? kv_heads > 0 && heads % kv_heads == 0 : kv_heads == heads;
+  const bool kernel_layout =
+      heads_fit && q_sizes[0] == k_sizes[0] && q_sizes[0] == v_sizes[0] && kv_heads == v_sizes[1] &&
+      k_sizes[2] == v_sizes[2] && q_sizes[3] == k_sizes[3] &&
+      std::min({q_sizes[0], heads, q_sizes[2], q_sizes[3], k_sizes[2], v_sizes[3]}) > 0 &&
+      query->scalar_type() == key->scalar_type() && query->scalar_type() == value->scalar_type() &&
+      is_kernel_dtype(query->scalar_type()) && query->device() == key->device() &&
+      query->device() == value->device();
+  if (!kernel_layout) Py_RETURN_NONE;
+
+  // As Python computes the default, q.shape[-1] ** -0.5, to the bit.
+  const double scale = scale_arg == Py_None ? std::pow(static_cast<double>(q_sizes[3]), -0.5)
+                                            : PyFloat_AS_DOUBLE(scale_arg);
+  const bool causal = args[3] == Py_True;
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = std::get<0>(op_handle<AttentionForwardOp>().call(
+        *query, *key, *value, std::nullopt, std::nullopt, 0.0, scale, -1, causal ? 0 : -1, !causal,
+        0.0, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, 0, 0,
+        deterministic));
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PyMethodDef* direct_op_calls() {
@@ -180,6 +253,12 @@ PyMethodDef* direct_op_calls() {
       DirectCall<AttentionForwardOp>::method(kDirectDoc),
       DirectCall<PagedKvAppendOp>::method(kDirectDoc),
       DirectCall<PagedAttentionOp>::method(kDirectDoc),
+      {"_sdpa_in_kernel_layout",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sdpa_in_kernel_layout)),
+       METH_FASTCALL,
+       "scaled_dot_product_attention(query, key, value, is_causal=..., scale=..., "
+       "enable_gqa=...) with no mask or dropout, or None where the inputs need the Python "
+       "path's checks and adaptations."},
       {"_op_signatures", op_signatures, METH_NOARGS,
        "{op name: (argument types, return types)} of the C++ op functions that the direct "
        "calls, the typed handles and the autograd kernel derive from: tests compare it with "

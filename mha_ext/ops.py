@@ -79,6 +79,23 @@ def attention_forward(
     return _ops.attention_forward.default(*args)
 
 
+def sdpa_in_kernel_layout(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> Optional[Tensor]:
+    """scaled_dot_product_attention without mask or dropout in one C++ call, where query, key
+    and value are already the kernels' (B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) and need
+    none of its checks' adaptations; None otherwise (csrc/python_calls.cpp says exactly when).
+    """
+    if not calls_directly((query, key, value)):
+        return None
+    return _C._sdpa_in_kernel_layout(query, key, value, is_causal, scale, enable_gqa)
+
+
 def attention_backward(
     grad_out: Tensor,
     grad_lse: Optional[Tensor],

@@ -456,3 +456,102 @@ def test_causal_with_negative_scale_follows_torch_math_path():
         expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
     actual = mha_ext.scaled_dot_product_attention(q, k, v, **kwargs)
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+# scaled_dot_product_attention's one-call way (ops.sdpa_in_kernel_layout) must give, bit for
+# bit, what its checked Python path gives, and must decline whatever that path adapts.
+KERNEL_LAYOUT_CASES = {
+    "decode_row": (dict(heads=4, kv_heads=4, seq_q=1, seq_k=37, head_dim=64), {}),
+    "causal": (dict(heads=4, kv_heads=4, seq_q=9, seq_k=9, head_dim=80), {"is_causal": True}),
+    "scale": (dict(heads=2, kv_heads=2, seq_q=5, seq_k=11, head_dim=32), {"scale": 0.3}),
+    "gqa": (dict(heads=8, kv_heads=2, seq_q=3, seq_k=21, head_dim=48), {"enable_gqa": True}),
+    "bshd_views": (
+        dict(heads=4, kv_heads=4, seq_q=6, seq_k=6, head_dim=32, layout="bshd"),
+        {"is_causal": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(KERNEL_LAYOUT_CASES))
+def test_kernel_layout_call_equals_checked_path(name, dtype):
+    shape, kwargs = KERNEL_LAYOUT_CASES[name]
+    shape = dict(shape)
+    layout = shape.pop("layout", "bhsd")
+    q, k, v = random_qkv(2, *shape.values(), dtype=dtype, layout=layout)
+    direct = mha_ext.ops.sdpa_in_kernel_layout(
+        q,
+        k,
+        v,
+        kwargs.get("is_causal", False),
+        kwargs.get("scale"),
+        kwargs.get("enable_gqa", False),
+    )
+    assert direct is not None, "inputs in the kernels' layout took the checked path"
+    # mha_ext.attention runs the same kernel after the checks, with the default scale
+    # computed in Python.
+    scale = kwargs.get("scale", q.shape[-1] ** -0.5)
+    checked = mha_ext.attention(
+        q, k, v, causal="top_left" if kwargs.get("is_causal") else None, scale=scale
+    )
+    assert torch.equal(direct, checked)
+    assert torch.equal(mha_ext.scaled_dot_product_attention(q, k, v, **kwargs), checked)
+    expected = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(direct, expected, **_tolerance(dtype))
+
+
+def test_kernel_layout_call_records_gradients():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 8, 2, 4, 19, 32))
+    out = mha_ext.ops.sdpa_in_kernel_layout(q, k, v, True, None, True)
+    assert out is not None and out.requires_grad
+    weights = torch.randn(out.shape, generator=seeded_generator(5))
+    grads = torch.autograd.grad(out, (q, k, v), weights)
+    expected_out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected_out, (q, k, v), weights)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+
+
+class _TracedTensor(torch.Tensor):
+    """A subclass whose __torch_function__ the direct call would bypass."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _declined_inputs():
+    """(name, (query, key, value, is_causal, scale, enable_gqa)) the Python path must take."""
+    q, k, v = random_qkv(2, 4, 4, 3, 7, 16)
+    q_gqa, k_gqa, v_gqa = random_qkv(2, 4, 2, 3, 7, 16)
+    return {
+        "3d": (q[0], k[0], v[0], False, None, False),
+        "broadcast_batch": (q, k[:1], v[:1], False, None, False),
+        "heads_differ_without_gqa": (q_gqa, k_gqa, v_gqa, False, None, False),
+        "gqa_kv_heads_differ": (q_gqa, k_gqa, v_gqa[:, :1], False, None, True),
+        "strided_last_dim": (q, torch.randn(2, 4, 7, 32)[..., ::2], v, False, None, False),
+        "column_major_key": (
+            q,
+            k.transpose(-1, -2).contiguous().transpose(-1, -2),
+            v,
+            False,
+            None,
+            False,
+        ),
+        "mixed_dtypes": (q, k.double(), v, False, None, False),
+        "integer_dtype": (q.long(), k.long(), v.long(), False, None, False),
+        "no_queries": (q[:, :, :0], k, v, False, None, False),
+        "no_keys": (q, k[:, :, :0], v[:, :, :0], False, None, False),
+        "zero_head_dim": (q[..., :0], k[..., :0], v, False, None, False),
+        "int_scale": (q, k, v, False, 1, False),
+        "tensor_scale": (q, k, v, False, torch.tensor(0.5), False),
+        "non_bool_causal": (q, k, v, 1, None, False),
+        "function_subclass": (q.as_subclass(_TracedTensor), k, v, False, None, False),
+        "not_a_tensor": (q.tolist(), k, v, False, None, False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_declined_inputs()))
+def test_kernel_layout_call_declines_what_the_checks_adapt(name):
+    args = _declined_inputs()[name]
+    assert mha_ext.ops.sdpa_in_kernel_layout(*args) is None

@@ -56,7 +56,6 @@ inline bool scores_modified(const AttentionForwardParams& p) {
 template <typename scalar_t, typename acc_t>
 void mask_scores_row(acc_t* s, int64_t cols, const AttentionForwardParams& p, int64_t batch,
                      int64_t head, int64_t row, int64_t key0, acc_t* softcap_grad = nullptr) {
-  using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const KeyRange visible = visible_keys(p.window, row, p.seq_k);
   const int64_t begin = std::clamp<int64_t>(visible.begin - key0, 0, cols);
