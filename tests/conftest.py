@@ -1,4 +1,11 @@
-"""Shared helpers: the accuracy rule and input builders."""
+"""Shared helpers: the accuracy rule, input builders and reruns under a forced CPU ISA."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -117,3 +124,61 @@ def host_index_checks(monkeypatch):
 @pytest.fixture(autouse=True)
 def _fixed_seed(device):
     torch.manual_seed(1234)
+
+
+# ------------------------------------------------------------- reruns under a forced CPU ISA
+
+TESTS_DIR = Path(__file__).resolve().parent
+# The kernel build each MHA_EXT_CPU_ISA level runs: avx512_bf16 is the avx512 build with its
+# bf16 instructions allowed.
+ISA_BUILDS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+
+
+def skip_unless_isa_rerun_adds(isa: str, *, compare_builds: bool) -> None:
+    """Skips the calling test unless rerunning tests under MHA_EXT_CPU_ISA=isa can run here
+    and covers what the suite does not: not from a suite already forced, not for an ISA this
+    platform does not compile or this CPU cannot run, and not for the ISA the suite runs on
+    (with compare_builds, for no ISA that runs the same kernel build)."""
+    import mha_ext
+
+    if os.environ.get("MHA_EXT_CPU_ISA"):
+        pytest.skip("already running under a forced ISA")
+    info = mha_ext.build_info()
+    if isa not in info["cpu_isas"]:
+        pytest.skip(f"{isa} is not compiled on this platform")
+    best = info["cpu_isa"]
+    if ISA_BUILDS[isa] == ISA_BUILDS[best] if compare_builds else isa == best:
+        pytest.skip(f"{isa} runs what this CPU's best ISA {best} runs, which the suite tests")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mha_ext"],
+        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        pytest.skip(f"this CPU cannot run {isa}: {reason}")
+
+
+def assert_tests_pass_under_isa(
+    isa: str, files: Sequence[str], selection: Optional[str] = None, min_passed: int = 1
+) -> None:
+    """Runs pytest on files (in tests/), -k selection where given, in a subprocess under
+    MHA_EXT_CPU_ISA=isa; fails with the output's tail unless no test fails and at least
+    min_passed pass."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if selection is not None:
+        command += ["-k", selection]
+    command += [str(TESTS_DIR / name) for name in files]
+    result = subprocess.run(
+        command,
+        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+        cwd=TESTS_DIR,
+    )
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    summary = (result.stdout.strip().splitlines() or [""])[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= min_passed, output

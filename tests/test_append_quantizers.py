@@ -4,9 +4,6 @@ those torch computes (mha_ext.reference.quantize_int8 / quantize_float8), on thi
 on the forced avx2 and generic builds. tests/check_fp8_exhaustive.py runs every fp32 pattern
 through the fp8 encoder (minutes; run it by hand after changing the encoder)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +12,11 @@ import torch
 import mha_ext
 from mha_ext.reference import quantize_float8, quantize_int8
 
+from conftest import assert_tests_pass_under_isa, skip_unless_isa_rerun_adds
+
 # The CPU kernel's vector and scalar encoders; test_paged_quant checks the CUDA kernel's.
 pytestmark = pytest.mark.cpu_only
 
-TESTS = Path(__file__).resolve().parent
 
 # fp8's per-tensor scales: powers of two (the kernels multiply by the reciprocal) and others
 # (they divide), below and above 1.
@@ -190,25 +188,5 @@ def test_row_groups(fmt, kv_heads):
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_forced_isa_builds(isa):
-    if os.environ.get("MHA_EXT_CPU_ISA"):
-        pytest.skip("already running under a forced ISA")
-    info = mha_ext.build_info()
-    if isa not in info["cpu_isas"]:
-        pytest.skip(f"{isa} is not compiled on this platform")
-    if isa == info["cpu_isa"]:
-        pytest.skip(f"{isa} is this CPU's best ISA, which the suite runs on")
-    env = {**os.environ, "MHA_EXT_CPU_ISA": isa}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import mha_ext"], env=env, capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"this CPU cannot run {isa}")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout.splitlines()[-1], result.stdout[-3000:]
+    skip_unless_isa_rerun_adds(isa, compare_builds=False)
+    assert_tests_pass_under_isa(isa, [Path(__file__).name])

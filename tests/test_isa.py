@@ -13,6 +13,8 @@ from torch.utils import cpp_extension
 
 import mha_ext
 
+from conftest import ISA_BUILDS, assert_tests_pass_under_isa, skip_unless_isa_rerun_adds
+
 # Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
 pytestmark = pytest.mark.cpu_only
 
@@ -66,49 +68,18 @@ FORCED_ISA_SELECTION = " or ".join(
         "paged_attention_dtypes",
     ]
 )
-# avx512 and avx512_bf16 are levels of one build that differ only in how they run bf16: forced
-# to the level the suite does not run on, the bf16 cases are the ones that take other paths.
-BUILD = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
 def test_forced_isa_passes_the_accuracy_tests(isa):
-    if os.environ.get("MHA_EXT_CPU_ISA"):
-        pytest.skip("already running under a forced ISA")
-    info = mha_ext.build_info()
-    if isa not in info["cpu_isas"]:
-        pytest.skip(f"{isa} is not compiled on this platform")
-    if isa == info["cpu_isa"]:
-        pytest.skip(f"{isa} is this CPU's best ISA, which the whole suite runs on")
-    probe = run_python("import mha_ext; mha_ext.build_info()", isa)
-    if probe.returncode != 0:
-        pytest.skip(f"this CPU cannot run {isa}: {probe.stderr.strip().splitlines()[-1]}")
+    skip_unless_isa_rerun_adds(isa, compare_builds=False)
     selection = FORCED_ISA_SELECTION
-    if BUILD[isa] == BUILD[info["cpu_isa"]]:
+    # avx512 and avx512_bf16 are levels of one build that differ only in how they run bf16:
+    # forced to the level the suite does not run on, the bf16 cases take other paths.
+    if ISA_BUILDS[isa] == ISA_BUILDS[mha_ext.build_info()["cpu_isa"]]:
         selection = f"active_isa_matches_environment or (bfloat16 and ({FORCED_ISA_SELECTION}))"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            selection,
-            *(
-                str(TESTS / name)
-                for name in ("test_isa.py", "test_attention.py", "test_dropout.py", "test_paged.py")
-            ),
-        ],
-        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", result.stdout.splitlines()[-1])
-    assert passed and int(passed.group(1)) > 1, result.stdout[-3000:]
+    files = ("test_isa.py", "test_attention.py", "test_dropout.py", "test_paged.py")
+    assert_tests_pass_under_isa(isa, files, selection, min_passed=2)
 
 
 # ------------------------------------------------ what the ISA builds leave to the linker

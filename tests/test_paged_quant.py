@@ -1,11 +1,6 @@
 """8-bit paged KV caches (int8 with per-row scales, float8_e4m3fn with per-tensor scales):
 exact quantizing appends, paged attention over the values the cache holds, bad input."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +12,13 @@ from mha_ext.reference import (
     quantize_int8,
 )
 
-from conftest import OUTPUT_FACTOR, assert_within_rule, seeded_generator
+from conftest import (
+    OUTPUT_FACTOR,
+    assert_tests_pass_under_isa,
+    assert_within_rule,
+    seeded_generator,
+    skip_unless_isa_rerun_adds,
+)
 from test_paged import feature_arguments
 
 FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -347,46 +348,15 @@ def test_quantized_ops_opcheck():
 
 # ---------------------------------------------------------------- forced ISAs
 
-TESTS = Path(__file__).resolve().parent
 # Every direct-path row count and the gathered path, all features on, under each ISA build.
 FORCED_ISA_SELECTION = "every_direct_row_count or append_writes_exactly"
-BUILDS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
 
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_forced_isa_builds(isa):
-    if os.environ.get("MHA_EXT_CPU_ISA"):
-        pytest.skip("already running under a forced ISA")
-    info = mha_ext.build_info()
-    if isa not in info["cpu_isas"]:
-        pytest.skip(f"{isa} is not compiled on this platform")
-    if BUILDS[isa] == BUILDS[info["cpu_isa"]]:
-        pytest.skip(f"{isa} runs the build this CPU's best ISA runs, which the suite tests")
-    env = {**os.environ, "MHA_EXT_CPU_ISA": isa}
-    probe = subprocess.run(
-        [sys.executable, "-c", "import mha_ext"], env=env, capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"this CPU cannot run {isa}")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            FORCED_ISA_SELECTION,
-            str(TESTS / "test_paged_quant.py"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    skip_unless_isa_rerun_adds(isa, compare_builds=True)
+    assert_tests_pass_under_isa(isa, ["test_paged_quant.py"], FORCED_ISA_SELECTION)
 
 
 # ---------------------------------------------------------------- cache object and module
