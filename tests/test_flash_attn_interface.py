@@ -670,6 +670,9 @@ def with_kvcache_error_cases():
     bad_table = shuffled_block_table(BATCH, CAPACITY // BLOCK_SIZE, 12, seed=4)
     bad_table[2, 1] = 99  # sequence 2's tokens 8..15 would be there
     bad_table[0, 2] = -5  # past sequence 0's 8 tokens: never followed, so allowed
+    two_bad = shuffled_block_table(BATCH, CAPACITY // BLOCK_SIZE, 12, seed=4)
+    two_bad[2, 0] = -1
+    two_bad[1, 0] = 12  # one past the last block; reported first, in row-major order
     int32 = torch.int32
     return [
         ("overflow", paged, {"cache_seqlens": torch.tensor([5, 0, 22], dtype=int32)},
@@ -680,6 +683,8 @@ def with_kvcache_error_cases():
          r"cache_seqlens must be a torch.int32 tensor of shape \(3,\), got torch.int64"),
         ("block table", paged, {"block_table": bad_table},
          r"block_table\[2, 1\] = 99 is outside the cache's 12 blocks"),
+        ("block table, first bad entry", paged, {"block_table": two_bad},
+         r"block_table\[1, 0\] = 12 is outside the cache's 12 blocks"),
         ("paged batch idx", paged, {"cache_batch_idx": torch.tensor([0, 1, 2], dtype=int32)},
          r"cache_batch_idx cannot be used with a paged cache"),
         ("batch idx", contiguous, {"cache_batch_idx": torch.tensor([0, 7, 1], dtype=int32)},
