@@ -8,7 +8,8 @@ Environment:
   MHA_EXT_HEAD_DIMS     head dims with tensor-core attention kernels (default "64,128").
   MHA_EXT_SANITIZE      sanitizers for a checking build, a comma list of address, undefined
                         (e.g. "address,undefined"): CPU only, -O1 -g, and the first error
-                        aborts. Python is not instrumented: run it with the ASan runtime
+                        aborts; a few costly checks are left out (extension() names them).
+                        Python is not instrumented: run it with the ASan runtime
                         LD_PRELOADed (.ci/run's sanitizer step shows how).
   MAX_JOBS              parallel compile jobs (ninja).
 """
