@@ -181,11 +181,6 @@ const at::Tensor* tensor_or_null(PyObject* arg) {
   return THPVariable_Check(arg) ? &THPVariable_Unpack(arg) : nullptr;
 }
 
-bool is_kernel_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
-         dtype == at::kHalf;
-}
-
 // mha_ext.functional.scaled_dot_product_attention's way for its commonest calls, those of a
 // decode loop, whose Python checks cost more than the kernel at (1, 1, 1, 64): arguments
 // (query, key, value, is_causal, scale, enable_gqa), the call's own with no mask and no
@@ -225,7 +220,7 @@ PyObject* sdpa_in_kernel_layout(PyObject*, PyObject* const* args, Py_ssize_t cou
       k_sizes[2] == v_sizes[2] && q_sizes[3] == k_sizes[3] &&
       std::min({q_sizes[0], heads, q_sizes[2], q_sizes[3], k_sizes[2], v_sizes[3]}) > 0 &&
       query->scalar_type() == key->scalar_type() && query->scalar_type() == value->scalar_type() &&
-      is_kernel_dtype(query->scalar_type()) && query->device() == key->device() &&
+      kernel_dtype(query->scalar_type()).has_value() && query->device() == key->device() &&
       query->device() == value->device();
   if (!kernel_layout) Py_RETURN_NONE;
 

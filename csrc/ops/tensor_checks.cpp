@@ -8,18 +8,22 @@ std::string dtype_name(at::ScalarType dtype) {
   return "torch." + std::string(c10::getDtypeNames(dtype).first);
 }
 
-DType to_dtype(at::ScalarType dtype, const char* op, const char* name) {
+std::optional<DType> kernel_dtype(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return DType::kFloat32;
     case at::kDouble: return DType::kFloat64;
     case at::kBFloat16: return DType::kBFloat16;
     case at::kHalf: return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, op, name, " has dtype ", dtype_name(dtype),
-                  "; supported dtypes are torch.float32, torch.float64, torch.bfloat16 and "
-                  "torch.float16");
+    default: return std::nullopt;
   }
-  return DType::kFloat32;  // not reached: the default branch throws
+}
+
+DType to_dtype(at::ScalarType dtype, const char* op, const char* name) {
+  const std::optional<DType> kernels_dtype = kernel_dtype(dtype);
+  TORCH_CHECK(kernels_dtype.has_value(), op, name, " has dtype ", dtype_name(dtype),
+              "; supported dtypes are torch.float32, torch.float64, torch.bfloat16 and "
+              "torch.float16");
+  return *kernels_dtype;
 }
 
 at::ScalarType accumulate_dtype(at::ScalarType dtype) {

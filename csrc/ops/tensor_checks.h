@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,8 +20,11 @@ constexpr int64_t kMaxHeadDim = 256;
 // "torch.float32", as a user writes the dtype.
 std::string dtype_name(at::ScalarType dtype);
 
-// The kernels' dtype for a tensor's dtype; an unsupported one is an error naming `op` (a
-// message prefix such as "mha_ext.attention: ") and the argument.
+// The kernels' dtype for a tensor's dtype, nullopt for one they do not compute in.
+std::optional<DType> kernel_dtype(at::ScalarType dtype);
+
+// kernel_dtype where there is one; otherwise an error naming `op` (a message prefix such as
+// "mha_ext.attention: ") and the argument.
 DType to_dtype(at::ScalarType dtype, const char* op, const char* name);
 
 // fp32 for every input dtype except fp64, which accumulates in fp64: the dtype of the
