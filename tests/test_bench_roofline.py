@@ -202,9 +202,9 @@ def fake_timed_case(monkeypatch, mha_seconds, probe_seconds):
     }
     monkeypatch.setattr(
         suites,
-        "median_seconds",
+        "interleaved_seconds",
         lambda steps, warmup, repeats, device: {
-            name: step_seconds.get(name, 1.0) for name in steps
+            name: [step_seconds.get(name, 1.0)] for name in steps
         },
     )
     return case
@@ -234,13 +234,13 @@ def test_peak_probe_timed_with_the_case_counts_where_it_read_higher(
     # probe reads with_case_gflops (its 1 GFLOP in 1 / with_case_gflops s): the higher counts.
     case = fake_timed_case(monkeypatch, 0.001, 2.0)
     calls = []
-    timed = suites.median_seconds
+    timed = suites.interleaved_seconds
 
     def recording(steps, warmup, repeats, device):
         calls.append(list(steps))
-        return {**timed(steps, warmup, repeats, device), suites.PEAK_PROBE: 1 / with_case_gflops}
+        return {**timed(steps, warmup, repeats, device), suites.PEAK_PROBE: [1 / with_case_gflops]}
 
-    monkeypatch.setattr(suites, "median_seconds", recording)
+    monkeypatch.setattr(suites, "interleaved_seconds", recording)
     probes = {
         "matmul_float32": roofline.Probe(lambda: None, 4e9),
         "peak_float32": roofline.Probe(lambda: None, 1e9),
@@ -320,17 +320,17 @@ def test_roofline_summary_names_each_probe_and_the_peaks_source():
 
 
 def test_decode_times_the_streaming_read_in_rounds_with_it(monkeypatch):
-    # One median_seconds call for the decode contenders and the streaming read: it runs them
-    # round by round (timing.median_seconds), so a neighbour's load hits both alike.
+    # One interleaved_seconds call for the decode contenders and the streaming read: it runs
+    # them round by round, so a neighbour's load hits both alike.
     monkeypatch.setattr(suites, "cpu_cache_bytes", lambda: 0)  # one layer: a small cache
     case = suites._decode_case("tiny", 4, 2, 32, 64, torch.float32, torch.device("cpu"), batch=2)
     calls = []
 
-    def fake_median_seconds(steps, warmup, repeats, device):
+    def fake_interleaved_seconds(steps, warmup, repeats, device):
         calls.append(list(steps))
-        return dict.fromkeys(steps, 0.001)
+        return {name: [0.001] for name in steps}
 
-    monkeypatch.setattr(suites, "median_seconds", fake_median_seconds)
+    monkeypatch.setattr(suites, "interleaved_seconds", fake_interleaved_seconds)
     probes = {"stream_read": roofline.Probe(lambda: None, 2e6)}
     result = suites.run_case(case, {"stream_read": 1.0}, torch.device("cpu"), 1, probes)
     assert case.interleave and len(calls) == 1

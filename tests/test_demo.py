@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mha_ext.__main__ import MIN_DOCUMENT, draw_documents
-from mha_ext.bench import roofline, suites
+from mha_ext.bench import report, roofline, suites
 from mha_ext.bench.roofline import cpu_cache_bytes
 from mha_ext.models import CausalLM, document_positions, pack_documents
 
@@ -231,7 +231,9 @@ def test_call_overhead_steps_are_timed_per_call(monkeypatch):
     assert len(calls) == suites.CALLS_PER_STEP == 200
     assert not case.interleave  # timed apart: see _call_overhead_case
     monkeypatch.setattr(
-        suites, "median_seconds", lambda steps, warmup, repeats, device: dict.fromkeys(steps, 0.02)
+        suites,
+        "interleaved_seconds",
+        lambda steps, warmup, repeats, device: {name: [0.02] for name in steps},
     )
     result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
     for name in ("mha_ext", "torch_sdpa", "naive"):
@@ -299,12 +301,12 @@ def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, inte
     }
     calls = []
 
-    def fake_median_seconds(steps, warmup, repeats, device):
+    def fake_interleaved_seconds(steps, warmup, repeats, device):
         for name in steps:
             calls.append(name)
-        return {name: step_seconds[name] for name in steps}
+        return {name: [step_seconds[name]] for name in steps}
 
-    monkeypatch.setattr(suites, "median_seconds", fake_median_seconds)
+    monkeypatch.setattr(suites, "interleaved_seconds", fake_interleaved_seconds)
     probe = roofline.Probe(lambda: None, 4e9)
     result = suites.run_case(
         case,
@@ -324,6 +326,35 @@ def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, inte
     assert without["results"]["mha_ext"]["roofline_fraction"] == pytest.approx(
         case.work / 0.001 / 1e9 / 1000.0
     )
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_speedup_range_spans_the_repeats_paired_ratios(monkeypatch, interleave):
+    # Three repeats: torch_sdpa 2, 3 and 1.5 ms against mha_ext's 1 ms each, so the ratio of
+    # medians is 2 and the repeats' ratios run from 1.5 to 3; timed apart, repeats pair
+    # nothing, so there is no range.
+    case = suites.attention_case(
+        "forward", "tiny", 2, 2, 32, 64, torch.float32, False, False, torch.device("cpu")
+    )
+    case.interleave = interleave
+    times = {"mha_ext": [1e-3] * 3, "torch_sdpa": [2e-3, 3e-3, 1.5e-3], "naive": [4e-3] * 3}
+    monkeypatch.setattr(
+        suites,
+        "interleaved_seconds",
+        lambda steps, warmup, repeats, device: {name: times[name] for name in steps},
+    )
+    result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=3)
+    mha = result["results"]["mha_ext"]
+    assert mha["speedup_vs_baseline"] == pytest.approx(2.0)
+    table = report.format_suite("forward", [result], {"matmul_float32": 1000.0})
+    row = next(line for line in table.splitlines() if line.startswith(case.label))
+    if interleave:
+        assert mha["speedup_range"] == pytest.approx([1.5, 3.0])
+        assert result["results"]["naive"]["speedup_range"] == pytest.approx([0.375, 0.75])
+        assert "2.00x (1.50-3.00)" in row
+    else:
+        assert "speedup_range" not in mha
+        assert "2.00x" in row and "(" not in row
 
 
 @pytest.mark.parametrize("slow_from, sizes", [(512, [256, 512]), (None, [256, 512, 1024])])

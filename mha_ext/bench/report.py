@@ -76,10 +76,11 @@ def format_suite(
     peak_kinds: Optional[Dict[str, str]] = None,
 ) -> str:
     """One suite's table: each contender's throughput (time per call in PER_CALL_SUITES),
-    mha_ext's ratio to the baseline, its fraction of the dtype's peak and of torch's matmul
-    measured with the case, or of the streaming read measured with the case (run_case). The
-    decode suite's 8-bit cache cases get a table of their own. peak_kinds: "peak_<dtype>" ->
-    the probe that set it, for the summary line."""
+    mha_ext's ratio to the baseline (_ratio_text: with its range over the repeats), its
+    fraction of the dtype's peak and of torch's matmul measured with the case, or of the
+    streaming read measured with the case (run_case). The decode suite's 8-bit cache cases get
+    a table of their own. peak_kinds: "peak_<dtype>" -> the probe that set it, for the summary
+    line."""
     if suite == "context_parallel":
         return _context_parallel_table(results)
     quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
@@ -106,6 +107,19 @@ def format_suite(
     return "\n".join(lines)
 
 
+def _ratio_text(entry: Optional[Dict], width: int) -> str:
+    """entry's speedup_vs_baseline, right-aligned in width: "1.23x", and where the contenders
+    ran interleaved the range of the repeats' ratios, "1.23x (1.10-1.31)"; "n/a" without."""
+    ratio = entry.get("speedup_vs_baseline") if entry else None
+    if not ratio:
+        return f"{'n/a':>{width}}"
+    text = f"{ratio:.2f}x"
+    if entry.get("speedup_range"):
+        low, high = entry["speedup_range"]
+        text += f" ({low:.2f}-{high:.2f})"
+    return f"{text:>{width}}"
+
+
 def _contender_table(suite: str, results: List[Dict]) -> List[str]:
     contenders = _contenders(results)
     per_call = suite in PER_CALL_SUITES
@@ -128,9 +142,7 @@ def _contender_table(suite: str, results: List[Dict]) -> List[str]:
                 line += f"{entry['seconds_per_call'] * 1e6:>22.1f}"
             else:
                 line += f"{entry['throughput']:>22.4g}"
-        mha = result["results"].get("mha_ext")
-        ratio = mha.get("speedup_vs_baseline") if mha else None
-        line += f"{ratio:>27.2f}x" if ratio else f"{'n/a':>28}"
+        line += _ratio_text(result["results"].get("mha_ext"), 28)
         fractions = _fractions(result)
         for column in fraction_columns:
             fraction = fractions.get(column)
@@ -155,8 +167,7 @@ def _flex_table(results: List[Dict]) -> List[str]:
         line = f"{result['label']:<{label_width}}{result['unit']:>9}"
         for name in ("mha_ext", "flex"):
             line += f"{timed[name]['throughput']:>21.4g}" if name in timed else f"{'n/a':>21}"
-        ratio = timed.get("mha_ext", {}).get("speedup_vs_baseline")
-        line += f"{ratio:>20.2f}x" if ratio else f"{'n/a':>21}"
+        line += _ratio_text(timed.get("mha_ext"), 21)
         fractions = _fractions(result)
         for column in fraction_columns:
             fraction = fractions.get(column)
@@ -195,7 +206,7 @@ def _quantized_decode_table(results: List[Dict]) -> List[str]:
         quantized, bf16 = timed["mha_ext"], timed["bf16_cache"]
         line += f"{batch / quantized['seconds_per_call']:>21.0f}"
         line += f"{batch / bf16['seconds_per_call']:>21.0f}"
-        line += f"{quantized['speedup_vs_baseline']:>20.2f}x"
+        line += _ratio_text(quantized, 21)
         line += f"{quantized['throughput']:>21.1f}"
         line += f"{100 * quantized['roofline_fraction']:>20.0f}%"
         line += f"{100 * bf16['roofline_fraction']:>20.0f}%"

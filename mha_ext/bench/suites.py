@@ -13,6 +13,7 @@ suite (context_parallel.py) runs on spawned ranks instead of as Cases here.
 
 import contextlib
 import itertools
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -23,7 +24,7 @@ from .. import functional
 from ..kv_cache import PagedKVCache
 from ..reference import attention_reference
 from .roofline import Probe, cpu_cache_bytes, peak_key_of
-from .timing import median_seconds
+from .timing import interleaved_seconds, ratio_range
 
 # Attention shapes of the seed tutorial's model table: (query heads, kv heads, head dim).
 MODELS = {
@@ -1052,7 +1053,9 @@ def run_case(
     recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
     of arithmetic also gets peak_fraction, of the dtype's peak where there is one: the higher
     of roofline's "peak_<dtype>" and the rate of probes' "peak_<dtype>" timed with the case,
-    recorded as peak_rate. Not clamped: a kernel that beat both readings would show it."""
+    recorded as peak_rate. Not clamped: a kernel that beat both readings would show it.
+    Each contender's speedup_vs_baseline is the ratio of the medians; where the contenders
+    run interleaved, speedup_range is the lowest and highest ratio of one repeat's pair."""
     unsupported = dict(case.unsupported)
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -1077,15 +1080,16 @@ def run_case(
         steps[ROOFLINE_PROBE] = probe.step
     if peak_probe:
         steps[PEAK_PROBE] = peak_probe.step
+    samples = {}
     if case.interleave:
-        seconds = median_seconds(steps, warmup=1, repeats=repeats, device=device)
+        samples = interleaved_seconds(steps, warmup=1, repeats=repeats, device=device)
+        seconds = {name: statistics.median(times) for name, times in samples.items()}
     else:
         seconds = {}
         for name, step in steps.items():
             with case.contexts.get(name, contextlib.nullcontext)():
-                seconds.update(
-                    median_seconds({name: step}, warmup=2, repeats=repeats, device=device)
-                )
+                alone = interleaved_seconds({name: step}, warmup=2, repeats=repeats, device=device)
+                seconds[name] = statistics.median(alone[name])
     ceiling = (
         probe.work / seconds.pop(ROOFLINE_PROBE) / 1e9 if probe else roofline[case.roofline_key]
     )
@@ -1105,8 +1109,12 @@ def run_case(
             results[name]["peak_fraction"] = throughput / peak
     if case.baseline in results:
         baseline = results[case.baseline]["seconds_per_call"]
-        for entry in results.values():
+        for name, entry in results.items():
             entry["speedup_vs_baseline"] = baseline / entry["seconds_per_call"]
+            if samples:  # interleaved: the ratio of each repeat's pair too
+                calls = case.per_call.get(name, 1) / case.per_call.get(case.baseline, 1)
+                low, high = ratio_range(samples[case.baseline], samples[name])
+                entry["speedup_range"] = [low * calls, high * calls]
     return {
         "suite": case.suite,
         "label": case.label,

@@ -5,7 +5,7 @@ every measurement synchronises."""
 
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -23,13 +23,14 @@ def _elapsed_seconds(step: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start_time
 
 
-def median_seconds(
+def interleaved_seconds(
     steps: Dict[str, Callable[[], None]],
     warmup: int = 1,
     repeats: int = 5,
     device: torch.device = torch.device("cpu"),
-) -> Dict[str, float]:
-    """Median wall time (device time on CUDA) of each step, the steps run interleaved."""
+) -> Dict[str, List[float]]:
+    """Wall time (device time on CUDA) of each step in each repeat, the steps run interleaved:
+    entry i of every list comes from the same repeat."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -39,4 +40,22 @@ def median_seconds(
     for _ in range(repeats):
         for name, step in steps.items():
             samples[name].append(_elapsed_seconds(step, device))
+    return samples
+
+
+def median_seconds(
+    steps: Dict[str, Callable[[], None]],
+    warmup: int = 1,
+    repeats: int = 5,
+    device: torch.device = torch.device("cpu"),
+) -> Dict[str, float]:
+    """Median wall time (device time on CUDA) of each step, the steps run interleaved."""
+    samples = interleaved_seconds(steps, warmup, repeats, device)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def ratio_range(numerators: List[float], denominators: List[float]) -> Tuple[float, float]:
+    """The smallest and largest of the ratios of paired samples (same repeat): how far a
+    ratio of medians moved within the run."""
+    ratios = [n / d for n, d in zip(numerators, denominators)]
+    return min(ratios), max(ratios)
