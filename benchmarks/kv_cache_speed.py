@@ -8,7 +8,8 @@ cache). Append: new key and value rows (bf16) into the cache, quantized for the 
 --append-tokens per sequence per call (1, the default: a decode step, whose call overhead
 counts; 16 shows the quantizers' own cost). On a shared machine rates drift between runs, so the
 formats run in alternating rounds, with the streaming read, and the report gives medians of
-the rounds and the ratios to bf16 within each round. Each format's cache exists only while
+the rounds and the ratios to bf16 within each round (their median, and the lowest and highest
+round in brackets). Each format's cache exists only while
 that format is timed (allocated, written and warmed up first): caches held side by side
 evicted each other from the CPU's caches and TLB between the formats' turns.
 
@@ -177,6 +178,12 @@ def seconds_per_call(step, calls, clock=time.perf_counter):
     return (clock() - start) / calls
 
 
+def round_ratios(ratios):
+    """Ratios of one round each (same conditions): their median and, in brackets, the lowest
+    and highest, how far they moved within the run."""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -237,22 +244,21 @@ def main():
         f" stream read median {statistics.median(streams):.1f} GB/s"
     )
     print(
-        f"{'cache':6} {'tokens/s':>9} {'x bf16':>7} {'GB/s':>6} {'% stream':>9}"
-        f" {'append us/token':>16} {'x bf16':>7}"
+        f"{'cache':6} {'tokens/s':>9} {'x bf16 (range)':>17} {'GB/s':>6} {'% stream':>9}"
+        f" {'append us/token':>16} {'x bf16 (range)':>17}"
     )
     base = args.formats[0]
     for name, case in cases.items():
         step = statistics.median(decode[name])
-        # ratios per round (same conditions), then their median
-        speedup = statistics.median(b / s for b, s in zip(decode[base], decode[name]))
         percent = statistics.median(
             100 * case.bytes_read / s / 1e9 / g for s, g in zip(decode[name], streams)
         )
         token_us = statistics.median(append[name]) / case.appended * 1e6
-        append_ratio = statistics.median(a / b for a, b in zip(append[name], append[base]))
+        speedup = round_ratios([b / s for b, s in zip(decode[base], decode[name])])
+        append_ratio = round_ratios([a / b for a, b in zip(append[name], append[base])])
         print(
-            f"{name:6} {args.batch / step:9.1f} {speedup:7.2f} {case.bytes_read / step / 1e9:6.1f}"
-            f" {percent:9.1f} {token_us:16.3f} {append_ratio:7.2f}"
+            f"{name:6} {args.batch / step:9.1f} {speedup:>17} {case.bytes_read / step / 1e9:6.1f}"
+            f" {percent:9.1f} {token_us:16.3f} {append_ratio:>17}"
         )
     if min(args.flat_contexts) > 0:
         report_flatness(args, clock)
