@@ -125,7 +125,10 @@ def test_bench_suites_write_json_and_tables(tmp_path):
     suites = [r["suite"] for r in data["results"]]
     assert suites.count("forward") == 2 and suites.count("gqa_prefill") == 1
     # paged_decode: three model shapes, a window case and a softcap + sinks case
-    assert suites.count("paged_decode") == 5 and suites.count("cache_append") == 2
+    # cache_append: a case per context, and the flatness case timing 256 against 64
+    assert suites.count("paged_decode") == 5 and suites.count("cache_append") == 3
+    flatness = [r for r in data["results"] if r["params"].get("short_context")]
+    assert [(r["params"]["context"], r["params"]["short_context"]) for r in flatness] == [(256, 64)]
     for entry in data["results"]:
         assert "mha_ext" in entry["results"] and entry["baseline"] in entry["results"]
         mha = entry["results"]["mha_ext"]
@@ -149,6 +152,7 @@ def test_bench_suites_write_json_and_tables(tmp_path):
         "attention forward (GFLOP/s)",
         "paged decode (K/V read per step) (GB/s)",
         "us per token at context 64",
+        "mha_ext interleaved: ",
         "stream_read = ",
         "(with the cases: ",
         "(with the case: ",
@@ -355,6 +359,39 @@ def test_speedup_range_spans_the_repeats_paired_ratios(monkeypatch, interleave):
     else:
         assert "speedup_range" not in mha
         assert "2.00x" in row and "(" not in row
+
+
+def test_append_flatness_case_times_both_contexts_interleaved(monkeypatch):
+    # The long context's run of appends 2, 3 and 2.5 ms against the short one's 2 ms each: a
+    # ratio of medians 1.25, 1.0 to 1.5 over the repeats, printed as the flatness line.
+    case = suites._append_flatness_case(16, 48, torch.device("cpu"))
+    assert case.interleave and case.baseline == suites.APPEND_SHORT_CONTEXT
+    assert set(case.steps) == {"mha_ext", suites.APPEND_SHORT_CONTEXT}
+    times = {"mha_ext": [2e-3, 3e-3, 2.5e-3], suites.APPEND_SHORT_CONTEXT: [2e-3] * 3}
+    monkeypatch.setattr(
+        suites,
+        "interleaved_seconds",
+        lambda steps, warmup, repeats, device: {name: times.get(name, [1.0] * 3) for name in steps},
+    )
+    probes = {"stream_read": roofline.Probe(lambda: None, 1e9)}
+    flat = suites.run_case(case, {"stream_read": 1.0}, torch.device("cpu"), 3, probes)
+    assert flat["params"]["context"] == 48 and flat["params"]["short_context"] == 16
+    per_token = 2.5e-3 / suites.APPEND_TOKENS_PER_RUN * 1e6
+    apart = {
+        "label": "ctx=16",
+        "params": {"context": 16},
+        "unit": "GB/s",
+        "roofline": "stream_read",
+        "baseline": "mha_ext",
+        "results": {"mha_ext": {"seconds_per_call": 1e-6, "throughput": 1.0}},
+        "unsupported": {},
+    }
+    table = report.format_suite("cache_append", [apart, flat], {"stream_read": 1.0})
+    assert "ctx=48 against ctx=16" not in table  # not a row of the per-context table
+    assert (
+        f"mha_ext interleaved: {per_token:.2f} us per token at context 48 against "
+        f"{per_token * 0.8:.2f} at 16: ratio 1.25 (1.00-1.50 over the repeats)"
+    ) in table
 
 
 @pytest.mark.parametrize("slow_from, sizes", [(512, [256, 512]), (None, [256, 512, 1024])])

@@ -84,7 +84,12 @@ def format_suite(
     if suite == "context_parallel":
         return _context_parallel_table(results)
     quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
-    results = [r for r in results if not r["params"].get("kv_cache_dtype")]
+    flatness = [r for r in results if r["params"].get("short_context")]
+    results = [
+        r
+        for r in results
+        if not r["params"].get("kv_cache_dtype") and not r["params"].get("short_context")
+    ]
     if suite == "flex":
         lines = _flex_table(results)
     else:
@@ -94,12 +99,12 @@ def format_suite(
     lines.append(
         "roofline: "
         + ", ".join(
-            _roofline_summary(key, roofline, results + quantized, peak_kinds or {})
-            for key in sorted({r["roofline"] for r in results + quantized})
+            _roofline_summary(key, roofline, results + quantized + flatness, peak_kinds or {})
+            for key in sorted({r["roofline"] for r in results + quantized + flatness})
         )
     )
     if suite == "cache_append":
-        lines += _append_summary(results)
+        lines += _append_summary(results, flatness)
     if suite == "varlen":
         lines += _varlen_summary(results)
     if suite == "integrations":
@@ -277,7 +282,10 @@ def _with_cases(results: List[Dict], key: str, rate: str) -> str:
     return f"with the cases: {min(rates):.1f} - {max(rates):.1f}" if rates else "alone"
 
 
-def _append_summary(results: List[Dict]) -> List[str]:
+def _append_summary(results: List[Dict], flatness: List[Dict]) -> List[str]:
+    """Each contender's time per token at the first and last context (cases timed one after
+    another), then mha_ext's ratio of the two from the flatness case, which times them
+    interleaved: its median and its range over the repeats."""
     first, last = results[0], results[-1]
     lines = []
     for name in first["results"]:
@@ -285,8 +293,22 @@ def _append_summary(results: List[Dict]) -> List[str]:
         lines.append(
             f"{name}: {per_call[0]:.2f} us per token at context {first['params']['context']}, "
             f"{per_call[1]:.2f} us at {last['params']['context']} "
-            f"(ratio {per_call[1] / per_call[0]:.2f})"
+            f"(ratio {per_call[1] / per_call[0]:.2f}, timed apart)"
         )
+    for result in flatness:
+        timed = result["results"]
+        if "mha_ext" not in timed:
+            continue
+        long, short = timed["mha_ext"], timed[result["baseline"]]
+        text = (
+            f"mha_ext interleaved: {long['seconds_per_call'] * 1e6:.2f} us per token at context "
+            f"{result['params']['context']} against {short['seconds_per_call'] * 1e6:.2f} at "
+            f"{result['params']['short_context']}: ratio {1 / long['speedup_vs_baseline']:.2f}"
+        )
+        if long.get("speedup_range"):
+            fastest, slowest = long["speedup_range"]
+            text += f" ({1 / slowest:.2f}-{1 / fastest:.2f} over the repeats)"
+        lines.append(text)
     return lines
 
 
@@ -343,7 +365,10 @@ def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
     # The call_overhead shapes differ in heads as well as length: one line over them would
     # mislead, so its table is its only result.
     for suite in (s for s in SUITE_TITLES if s not in TABLE_ONLY_SUITES):
-        suite_results = [r for r in results if r["suite"] == suite]
+        # the append flatness case repeats a context of the lines, against another
+        suite_results = [
+            r for r in results if r["suite"] == suite and not r["params"].get("short_context")
+        ]
         if not suite_results:
             continue
         x_key = "seq" if "seq" in suite_results[0]["params"] else "context"

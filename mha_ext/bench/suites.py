@@ -95,6 +95,8 @@ SOFTCAP_DECODE = dict(softcap=50.0, sinks=True)
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QUANTIZED_DECODE_SHAPE = GQA_SHAPE
 APPEND_TOKENS_PER_RUN = 64  # an append takes microseconds: time a run of them
+# The contender of the append flatness case that appends at the shortest context.
+APPEND_SHORT_CONTEXT = "mha_ext_short_context"
 # The step names of a case's probes among its contenders' (run_case): the probe of its
 # roofline_key, and the peak probe of its dtype.
 ROOFLINE_PROBE = "roofline_probe"
@@ -490,9 +492,10 @@ def _quantized_decode_case(
     )
 
 
-def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size=16) -> Case:
-    """One token of a Llama-2 7B layer (fp32) for each of `batch` sequences, into a cache
-    already holding `context` tokens of each."""
+def _paged_append_step(context, device, batch, kv_heads, head_dim, block_size):
+    """A step that appends APPEND_TOKENS_PER_RUN tokens of a Llama-2 7B layer (fp32) to each of
+    `batch` sequences, a call per token, into a cache already holding `context` tokens of each
+    (the same slots every step); and the new key and value of each call."""
     tokens = context + APPEND_TOKENS_PER_RUN
     cache = PagedKVCache(
         1, batch * -(-tokens // block_size), block_size, kv_heads, head_dim, device=device
@@ -512,16 +515,24 @@ def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size
         dim=1,
     )
     key, value = (torch.randn(batch, kv_heads, head_dim, device=device) for _ in range(2))
-    contiguous = [
-        tuple(torch.randn(batch, kv_heads, context, head_dim, device=device) for _ in range(2))
-    ]
-    new_k, new_v = key.view(batch, kv_heads, 1, head_dim), value.view(batch, kv_heads, 1, head_dim)
 
     def paged():  # tokens context, context + 1, ... each written in place by its own call
         for step_slots in slots:
             functional.paged_kv_append(
                 key, value, cache.key_caches[0], cache.value_caches[0], step_slots
             )
+
+    return paged, key, value
+
+
+def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size=16) -> Case:
+    """One token of a Llama-2 7B layer (fp32) for each of `batch` sequences, into a cache
+    already holding `context` tokens of each."""
+    paged, key, value = _paged_append_step(context, device, batch, kv_heads, head_dim, block_size)
+    contiguous = [
+        tuple(torch.randn(batch, kv_heads, context, head_dim, device=device) for _ in range(2))
+    ]
+    new_k, new_v = key.view(batch, kv_heads, 1, head_dim), value.view(batch, kv_heads, 1, head_dim)
 
     def seed_torch_cat():  # the seed tutorial's update_kv_cache: concatenation copies the cache
         k_cache, v_cache = contiguous[0]
@@ -549,6 +560,38 @@ def _append_case(context, device, batch=1, kv_heads=32, head_dim=128, block_size
         baseline="seed_torch_cat",
         interleave=False,
         per_call={"mha_ext": APPEND_TOKENS_PER_RUN, "seed_torch_cat": 1},
+    )
+
+
+def _append_flatness_case(
+    short, long, device, batch=1, kv_heads=32, head_dim=128, block_size=16
+) -> Case:
+    """mha_ext's append per token into a cache holding `long` tokens of each sequence against
+    one holding `short` (the baseline), the two caches alive together and their steps
+    interleaved: the ratio of the two contexts (the append's flatness) from one run, where the
+    per-context cases, timed one after another, read whatever the machine's load did between
+    them (32k / 512 read 0.64 and 1.63 in two runs on one idle Xeon)."""
+    long_step, key, _ = _paged_append_step(long, device, batch, kv_heads, head_dim, block_size)
+    short_step, _, _ = _paged_append_step(short, device, batch, kv_heads, head_dim, block_size)
+    params = {
+        "context": long,
+        "short_context": short,
+        "batch": batch,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": "float32",
+    }
+    return Case(
+        "cache_append",
+        f"llama2-7b layer ctx={long} against ctx={short}"
+        + (f" batch={batch}" if batch > 1 else ""),
+        params,
+        2 * key.numel() * key.element_size(),
+        "GB/s",
+        "stream_read",
+        {"mha_ext": long_step, APPEND_SHORT_CONTEXT: short_step},
+        baseline=APPEND_SHORT_CONTEXT,
+        per_call=dict.fromkeys(("mha_ext", APPEND_SHORT_CONTEXT), APPEND_TOKENS_PER_RUN),
     )
 
 
@@ -992,6 +1035,11 @@ def build_cases(
         elif suite == "cache_append":
             for context in append_contexts:
                 factories.append(lambda c=context: _append_case(c, device, append_batch))
+            if len(set(append_contexts)) > 1:
+                short, long = min(append_contexts), max(append_contexts)
+                factories.append(
+                    lambda lo=short, hi=long: _append_flatness_case(lo, hi, device, append_batch)
+                )
         elif suite == "call_overhead":
             for dtype in dtypes:
                 for heads, seq, head_dim in CALL_OVERHEAD_SHAPES:
