@@ -162,23 +162,28 @@ def _flex_table(results: List[Dict]) -> List[str]:
     FlexAttention's compile (its first call) and the largest difference of its output from
     mha_ext's; where flex is not timed, n/a and why."""
     label_width = max(len(r["label"]) for r in results) + 2
+    width = 2 + len(STREAM_COLUMN)  # the widest column title, and a space before it
     fraction_columns = [PEAK_COLUMN, MATMUL_COLUMN, STREAM_COLUMN]
     columns = ["mha_ext", "flex", "mha_ext / flex", *fraction_columns, "flex compile s"]
     columns.append("max |flex - mha_ext|")
-    header = f"{'case':<{label_width}}{'unit':>9}" + "".join(f"{c:>21}" for c in columns)
+    header = f"{'case':<{label_width}}{'unit':>9}" + "".join(f"{c:>{width}}" for c in columns)
     lines = [SUITE_TITLES["flex"], header, "-" * len(header)]
     for result in results:
         timed, checks = result["results"], result.get("checks", {})
         line = f"{result['label']:<{label_width}}{result['unit']:>9}"
         for name in ("mha_ext", "flex"):
-            line += f"{timed[name]['throughput']:>21.4g}" if name in timed else f"{'n/a':>21}"
-        line += _ratio_text(timed.get("mha_ext"), 21)
+            line += (
+                f"{timed[name]['throughput']:>{width}.4g}" if name in timed else f"{'n/a':>{width}}"
+            )
+        line += _ratio_text(timed.get("mha_ext"), width)
         fractions = _fractions(result)
         for column in fraction_columns:
             fraction = fractions.get(column)
-            line += f"{100 * fraction:>20.0f}%" if fraction is not None else f"{'':>21}"
+            line += (
+                f"{100 * fraction:>{width - 1}.0f}%" if fraction is not None else f"{'':>{width}}"
+            )
         for key, form in (("flex_compile_seconds", ".1f"), ("flex_max_difference", ".2g")):
-            line += f"{checks[key]:>21{form}}" if key in checks else f"{'n/a':>21}"
+            line += f"{checks[key]:>{width}{form}}" if key in checks else f"{'n/a':>{width}}"
         if result["unsupported"]:
             line += "  " + "; ".join(f"{k}: {v}" for k, v in result["unsupported"].items())
         lines.append(line)
