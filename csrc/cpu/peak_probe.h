@@ -34,10 +34,10 @@ std::vector<PeakProbeKind> available_peak_probes();
 double peak_probe_flops_per_iteration(PeakProbeKind kind);
 
 struct PeakProbeResult {
-  int64_t threads;         // loops run, one per thread of at::get_num_threads()
-  int64_t iterations;      // of each thread's loop
-  double slowest_seconds;  // the longest time a thread took for its share
-  double flops;            // all threads' FLOPs
+  int64_t threads = 0;         // loops run, one per thread of at::get_num_threads()
+  int64_t iterations = 0;      // of each thread's loop
+  double slowest_seconds = 0;  // the longest time a thread took for its share
+  double flops = 0;            // all threads' FLOPs
   double gflops() const { return flops / slowest_seconds / 1e9; }
 };
 
