@@ -84,11 +84,9 @@ def format_suite(
     if suite == "context_parallel":
         return _context_parallel_table(results)
     quantized = [r for r in results if r["params"].get("kv_cache_dtype")]
-    flatness = [r for r in results if r["params"].get("short_context")]
+    flatness = [r for r in results if _is_append_flatness(r)]
     results = [
-        r
-        for r in results
-        if not r["params"].get("kv_cache_dtype") and not r["params"].get("short_context")
+        r for r in results if not r["params"].get("kv_cache_dtype") and not _is_append_flatness(r)
     ]
     if suite == "flex":
         lines = _flex_table(results)
@@ -110,6 +108,12 @@ def format_suite(
     if suite == "integrations":
         lines += _integrations_summary(results)
     return "\n".join(lines)
+
+
+def _is_append_flatness(result: Dict) -> bool:
+    """Whether a result is the cache_append suite's flatness case (two contexts, interleaved),
+    which is no row of the per-context table and no point of its plot."""
+    return "short_context" in result["params"]
 
 
 def _ratio_text(entry: Optional[Dict], width: int) -> str:
@@ -371,9 +375,7 @@ def write_plots(directory: Path, results: List[Dict]) -> List[Path]:
     # mislead, so its table is its only result.
     for suite in (s for s in SUITE_TITLES if s not in TABLE_ONLY_SUITES):
         # the append flatness case repeats a context of the lines, against another
-        suite_results = [
-            r for r in results if r["suite"] == suite and not r["params"].get("short_context")
-        ]
+        suite_results = [r for r in results if r["suite"] == suite and not _is_append_flatness(r)]
         if not suite_results:
             continue
         x_key = "seq" if "seq" in suite_results[0]["params"] else "context"
