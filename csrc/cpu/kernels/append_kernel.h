@@ -71,9 +71,11 @@ C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[16]) {
   const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(row_order, maxima);
 }
-// Whether any lane of x exceeds bound or is NaN.
-C10_ALWAYS_INLINE bool any_above_or_nan(FloatVec x, float bound) {
-  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLE_UQ) != 0;
+// The lanes of x that exceed bound or are NaN, one bit each (several vectors' masks OR
+// together, and one test asks whether any lane of them is set).
+using LaneMask = __mmask16;
+C10_ALWAYS_INLINE LaneMask lanes_above_or_nan(FloatVec x, float bound) {
+  return _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), _CMP_NLE_UQ);
 }
 C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm512_cvttps_epi32(x); }
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm512_castps_si512(x); }
@@ -100,6 +102,17 @@ C10_ALWAYS_INLINE IntLanes where_nan(FloatVec x, IntLanes if_nan, IntLanes other
 C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
   _mm_mask_storeu_epi8(out, static_cast<__mmask16>((uint32_t(1) << count) - 1),
                        _mm512_cvtepi32_epi8(x));
+}
+// The lanes of four vectors, each an integer in [-128, 127], as bytes in one store: 4 x 16
+// in order. The packs work within 128-bit chunks, leaving 32-bit word 4j + i of their result
+// with chunk j of x[i], and one permute puts those words in order. Storing each vector's low
+// bytes takes two uops and a store per vector on Intel cores; this, four shuffles and one
+// store for the four.
+C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
+  const __m512i bytes =
+      _mm512_packs_epi16(_mm512_packs_epi32(x[0], x[1]), _mm512_packs_epi32(x[2], x[3]));
+  const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi32(in_order, bytes));
 }
 #else
 using IntLanes = __m256i;
@@ -129,8 +142,9 @@ C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[8]) {
                     _mm256_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm256_permutevar8x32_ps(maxima, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-C10_ALWAYS_INLINE bool any_above_or_nan(FloatVec x, float bound) {
-  return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLE_UQ)) != 0;
+using LaneMask = int;
+C10_ALWAYS_INLINE LaneMask lanes_above_or_nan(FloatVec x, float bound) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(bound), _CMP_NLE_UQ));
 }
 C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm256_cvttps_epi32(x); }
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm256_castps_si256(x); }
@@ -166,6 +180,13 @@ C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
     std::memcpy(out, bytes, count);
   }
 }
+// 4 x 8 lanes, each an integer in [-128, 127], as bytes in order (see the AVX-512 version).
+C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
+  const __m256i bytes =
+      _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3]));
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(static_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, in_order));
+}
 #endif
 
 // The float8_e4m3fn codes of x (each lane's low byte), which clamp_keeping_nan bounded to
@@ -199,10 +220,43 @@ template <typename in_t>
 C10_ALWAYS_INLINE FloatVec lane_absmax(const in_t* x, int64_t dim) {
   constexpr int64_t kWidth = FloatVec::size();
   FloatVec lane_max(0.f);
-  for (int64_t d = 0; d < dim; d += kWidth) {
-    lane_max = max_skipping_nan(load_as<float>(x + d, std::min(kWidth, dim - d)).abs(), lane_max);
+  int64_t d = 0;
+  for (; d + kWidth <= dim; d += kWidth) {
+    lane_max = max_skipping_nan(load_as<float>(x + d, kWidth).abs(), lane_max);
   }
+  if (d < dim) lane_max = max_skipping_nan(load_as<float>(x + d, dim - d).abs(), lane_max);
   return lane_max;
+}
+
+// x * (1 / scale) rounded to an integer, the estimate of the quotient (see quantize_int8_row):
+// adding 1.5 * 2^23 rounds to an integer (ties to even), which the sum's bits minus those of
+// 1.5 * 2^23 then hold exactly (|estimate| < 2^22). Sets near_half's bit of each lane whose
+// estimate lies within 2^-12 of a half-integer, or is NaN: those need the division.
+C10_ALWAYS_INLINE IntLanes estimated_quotient(FloatVec x, float reciprocal, LaneMask& near_half) {
+  const FloatVec estimated = x * FloatVec(reciprocal);
+  const FloatVec shifted = estimated + FloatVec(kRoundingShift);
+  // |estimate - its integer| is exact in fp32
+  near_half |=
+      lanes_above_or_nan((estimated - (shifted - FloatVec(kRoundingShift))).abs(), 0.5f - 0x1p-12f);
+  return sub(as_int(shifted), as_int(FloatVec(kRoundingShift)));
+}
+
+// Quantizes count (<= a vector's width) elements of a row; see quantize_int8_row.
+template <typename in_t>
+C10_ALWAYS_INLINE void quantize_int8_vector(const in_t* x, int64_t count, float scale,
+                                            float reciprocal, bool estimate, int8_t* out) {
+  const FloatVec row = load_as<float>(x, count);
+  if (estimate) {
+    LaneMask near_half = 0;
+    const IntLanes quotient = estimated_quotient(row, reciprocal, near_half);
+    if (near_half == 0) {
+      store_low_bytes(quotient, count, out);
+      return;
+    }
+  }
+  const FloatVec rounded =
+      (row / FloatVec(scale) + FloatVec(kRoundingShift)) - FloatVec(kRoundingShift);
+  store_low_bytes(truncate_to_int(clamp_keeping_nan(rounded, -127.f, 127.f)), count, out);
 }
 
 // Stores a row quantized with its scale (absmax / 127) and reciprocal (1 / scale, both
@@ -219,29 +273,34 @@ C10_ALWAYS_INLINE void quantize_int8_row(const in_t* x, int64_t dim, float scale
   // the quotient is first estimated as x * (1 / scale), within 3e-5 of the fp32 quotient
   // (2 roundings of relative 2^-24 at magnitudes up to 127): where no lane's estimate lies
   // within 2^-12 of a half-integer, the fp32 quotient rounds to the same integer, and only
-  // vectors with such a lane divide. A subnormal scale, whose reciprocal may overflow,
+  // vectors with such a lane divide. A normal scale puts the estimate within
+  // 127 * (1 + 2^-22) of 0, so it needs no clamp (a row with an infinity has scale inf:
+  // estimates 0, or NaN for the infinity). A subnormal scale, whose reciprocal may overflow,
   // divides throughout.
   const bool estimate = scale >= std::numeric_limits<float>::min();
-  for (int64_t d = 0; d < dim; d += kWidth) {
-    const int64_t count = std::min(kWidth, dim - d);
-    const FloatVec row = load_as<float>(x + d, count);
-    if (estimate) {
-      // Adding 1.5 * 2^23 rounds to an integer (ties to even) and leaves it, two's
-      // complement, in the sum's low bits. A normal scale puts the estimate within
-      // 127 * (1 + 2^-22) of 0, so it needs no clamp (a row with an infinity has scale inf:
-      // estimates 0, or NaN for the infinity).
-      const FloatVec estimated = row * FloatVec(reciprocal);
-      const FloatVec shifted = estimated + FloatVec(kRoundingShift);
-      // |estimate - its integer| is exact in fp32; NaN lanes take the division below too.
-      if (!any_above_or_nan((estimated - (shifted - FloatVec(kRoundingShift))).abs(),
-                            0.5f - 0x1p-12f)) {
-        store_low_bytes(as_int(shifted), count, out + d);
-        continue;
-      }
+  int64_t d = 0;
+  // Four vectors at a time, stored together where none of their lanes needs the division:
+  // against a vector at a time, each storing its own low bytes, 0.82-0.86 -> 0.72-0.76 us per
+  // token for a decode step's append (8 sequences x 8 kv heads x D128 bf16, one thread, Xeon
+  // model 207), 0.55-0.58 -> 0.46-0.48 at 16 tokens per sequence.
+  for (; estimate && d + 4 * kWidth <= dim; d += 4 * kWidth) {
+    LaneMask near_half = 0;
+    IntLanes quotients[4];
+    for (int i = 0; i < 4; ++i) {
+      quotients[i] =
+          estimated_quotient(load_as<float>(x + d + i * kWidth, kWidth), reciprocal, near_half);
     }
-    const FloatVec rounded =
-        (row / FloatVec(scale) + FloatVec(kRoundingShift)) - FloatVec(kRoundingShift);
-    store_low_bytes(truncate_to_int(clamp_keeping_nan(rounded, -127.f, 127.f)), count, out + d);
+    if (near_half == 0) {
+      store_bytes_of_4(quotients, out + d);
+      continue;
+    }
+    for (int i = 0; i < 4; ++i) {
+      quantize_int8_vector(x + d + i * kWidth, kWidth, scale, reciprocal, estimate,
+                           out + d + i * kWidth);
+    }
+  }
+  for (; d < dim; d += kWidth) {
+    quantize_int8_vector(x + d, std::min(kWidth, dim - d), scale, reciprocal, estimate, out + d);
   }
 }
 #else
