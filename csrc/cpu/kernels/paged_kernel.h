@@ -737,15 +737,22 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
 }
 
-// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, on O's columns [d0, d0 + kVectors
-// vectors): O's slice stays in registers while the tile's values pass by. kFull: the slice
-// lies inside dim; otherwise its vectors are cut at dim (lanes past it read and add 0). Full
-// slices are their own instantiation so that their loads carry no lane-count checks (GCC
-// kept a compare and branch per load in the loop over keys). kRequestAhead: at key c, bytes
-// `share` of ahead's row c.
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows (P's rows kKeyBlock apart), on O's
+// columns [d0, d0 + kVectors vectors): O's slice stays in registers while the tile's values
+// pass by. kFull: the slice lies inside dim; otherwise its vectors are cut at dim (lanes past
+// it read and add 0). Full slices are their own instantiation so that their loads carry no
+// lane-count checks (GCC kept a compare and branch per load in the loop over keys).
+// kRequestAhead: at key c, bytes `share` of ahead's row c.
+//
+// P's fixed row stride lets every weight's load address P from one register. With a run-time
+// stride each row took a pointer of its own, which for 8 rows GCC kept in vector registers and
+// moved back before every load: llama2-70b's heads (64q/8kv, bf16, context 4096, batch 8)
+// decoded at 54-59% of the streaming read against 61-63% now (Xeon model 207, three
+// alternating runs of the suite: python -m mha_ext.bench --suite paged_decode --context 4096
+// --dtype bfloat16 --models llama2-70b --kv-cache-dtype).
 template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t,
           typename acc_t>
-C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
+C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
                                               const scalar_t* const* value_rows, int64_t cols,
                                               int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
                                               const SweepRequests<scalar_t>& ahead,
@@ -782,7 +789,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
       });
     }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Vec weight(p_tile[r * ld_p + c]);
+      const Vec weight(p_tile[r * kKeyBlock + c]);
       unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         acc[r * kVectors + j] = at::vec::fmadd(weight, v[j], acc[r * kVectors + j]);
       });
@@ -794,13 +801,13 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile, int64_t ld_p,
   });
 }
 
-// O[r] += sum over c < cols of P[r, c] v_c for r < kRows, reading the tile's value rows in
-// place (score_tile requested them), a group of rows and a slice of O at a time. Where the
-// value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`' lines are
-// requested spread over the pass.
+// O[r] += sum over c < cols of P[r, c] v_c for r < kRows (p_tile [kRows, kKeyBlock]), reading
+// the tile's value rows in place (score_tile requested them), a group of rows and a slice of O at a
+// time. Where the value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`'
+// lines are requested spread over the pass.
 template <int kRows, typename scalar_t, typename acc_t>
-void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const* value_rows,
-                       int64_t cols, int64_t dim, acc_t* o, int64_t ld_o,
+void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, int64_t cols,
+                       int64_t dim, acc_t* o, int64_t ld_o,
                        const SweepRequests<scalar_t>& next_keys) {
   using Traits = PagedKernelTraits<scalar_t>;
   constexpr int kGroupRows = Traits::value_group_rows(kRows);
@@ -813,7 +820,7 @@ void accumulate_values(const acc_t* p_tile, int64_t ld_p, const scalar_t* const*
     unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr int r0 = group * kGroupRows;
       accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead>(
-          p_tile + r0 * ld_p, ld_p, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys,
+          p_tile + r0 * kKeyBlock, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys,
           next_keys.share(d0 / slice_width * kGroups + group, sweeps));
     });
   };
@@ -1218,8 +1225,8 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
   if (task.direct) {
     // O += P V, the cached value rows read in place.
     dispatch_direct_rows(task.rows, [&](auto kRows) {
-      accumulate_values<kRows>(scratch.s_tile, kKeyBlock, values.rows, cols, p.head_dim_v, state.o,
-                               ld_dv, next_keys);
+      accumulate_values<kRows>(scratch.s_tile, values.rows, cols, p.head_dim_v, state.o, ld_dv,
+                               next_keys);
     });
   } else {
     gather_tile_rows(values, cols, p.head_dim_v, scratch.v_tile, ld_dv);
