@@ -618,12 +618,17 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int6
                  reinterpret_cast<float*>(dst), ld);
 }
 
-// Keys per tile of the bf16 kernel. Each brgemm call has a fixed cost, which 128-key tiles
-// halve; measured at S = 1024, non-causal, they ran 1.2x faster than 64-key tiles at head_dim
-// 64 and no faster at head_dim 128, where causal attention ran 0.85x with them.
+// Keys per tile of the bf16 kernel. Each brgemm call has a fixed cost and loads and stores
+// its fp32 result tiles (S, and O for O += P V), which 128-key tiles spread over twice the
+// products. At head_dim 64, S = 1024, non-causal: 1.2x faster than 64-key tiles. At head_dim
+// 128 (Xeon model 207, the forward suite's llama2-70b heads, 64q / 8kv, two alternating runs
+// of `python -m mha_ext.bench --suite forward --models llama2-70b --dtype bfloat16 --seq 1024
+// 4096`): against torch SDPA 0.91-1.03x -> 1.13-1.39x non-causal and 1.08-1.15x -> 1.31-1.55x
+// causal; S 128-512 no slower. (An earlier kernel, before the shared K/V tiles and the
+// sub-blocks' shared brgemm calls, had run causal attention 0.85x with them there.)
 inline int64_t bf16_key_tile(int64_t head_dim) {
   static_assert(kMaxBf16KeyTile == 128, "kv_pairs_size sizes the workspace for these tiles");
-  return head_dim <= 64 ? 128 : 64;
+  return head_dim <= 128 ? 128 : 64;
 }
 
 // Layout of a packed key tile, and of the kv_pairs workspace, which holds one per (batch, kv
