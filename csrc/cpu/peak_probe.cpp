@@ -134,10 +134,14 @@ __attribute__((target("amx-tile,amx-bf16"))) float bf16_amx_loop(int64_t iterati
     config.rows[tile] = kAmxRows;
     config.row_bytes[tile] = kAmxRowBytes;
   }
+  // GCC's LDTILECFG statement names only 8 bytes of its operand as read: without the barrier
+  // the compiler may drop the stores of the rest, and a garbage configuration faults.
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&config);
   // bf16 0x3a80 = 2^-10: products of 2^-20, sums that stay far from overflow.
   alignas(64) uint16_t operand[kAmxRows * kAmxRowBytes / 2];
   std::fill(std::begin(operand), std::end(operand), uint16_t{0x3a80});
+  asm volatile("" ::: "memory");  // the tile loads' statements do not name memory at all
   _tile_loadd(4, operand, kAmxRowBytes);
   _tile_loadd(5, operand, kAmxRowBytes);
   _tile_loadd(6, operand, kAmxRowBytes);
