@@ -130,8 +130,14 @@ def _fixed_seed(device):
 
 TESTS_DIR = Path(__file__).resolve().parent
 # The kernel build each MHA_EXT_CPU_ISA level runs: avx512_bf16 is the avx512 build with its
-# bf16 instructions allowed.
-ISA_BUILDS = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+# bf16 instructions allowed, avx512_amx the same tuned for the CPUs with AMX.
+ISA_BUILDS = {
+    "generic": "generic",
+    "avx2": "avx2",
+    "avx512": "avx512",
+    "avx512_bf16": "avx512",
+    "avx512_amx": "avx512",
+}
 
 
 def skip_unless_isa_rerun_adds(isa: str, *, compare_builds: bool) -> None:

@@ -68,10 +68,11 @@ def test_forced_isa_lists_only_its_probes(isa, expected):
     assert answer["kinds"] == expected
 
 
-def test_bf16_probes_need_the_avx512_bf16_level():
-    answer = under_isa("avx512_bf16")
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512_amx"])
+def test_bf16_probes_need_the_avx512_bf16_level(isa):
+    answer = under_isa(isa)
     if answer is None:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip(f"this CPU cannot run MHA_EXT_CPU_ISA={isa}")
     kinds = answer["kinds"]
     assert kinds[:4] == ["fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx512"]
     assert kinds[4:] in ([], ["bf16_amx"])  # AMX where the CPU has it and Linux grants it

@@ -32,7 +32,7 @@ def test_build_info_reports_what_was_compiled():
     info = mha_ext.build_info()
     assert info["version"] == mha_ext.__version__
     assert info["torch_version"] and info["torch_version"] in __import__("torch").__version__
-    expected = ["generic", "avx2", "avx512", "avx512_bf16"] if X86 else ["generic"]
+    expected = ["generic", "avx2", "avx512", "avx512_bf16", "avx512_amx"] if X86 else ["generic"]
     assert info["cpu_isas"] == expected
     assert info["cpu_isa"] in info["cpu_isas"]
     assert isinstance(info["cuda_archs"], list)
@@ -55,7 +55,8 @@ def test_unknown_isa_is_a_clear_error():
 # Under each forced ISA: the forward of every dtype and masking at one odd shape (bf16 with an
 # even head dim: the brgemm forward at avx512_bf16), the backward at one small shape (bf16's on
 # brgemm there), the fp64 gradchecks, dropout's forward and gradients, and paged attention with
-# a bf16 cache, decode and up to 9 queries (the bf16 dot products of avx512_bf16's direct path).
+# a bf16 cache, decode and up to 9 queries (the bf16 dot products of avx512_bf16's direct path,
+# FMAs at avx512_amx).
 FORCED_ISA_SELECTION = " or ".join(
     [
         "active_isa_matches_environment",
@@ -70,12 +71,12 @@ FORCED_ISA_SELECTION = " or ".join(
 )
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16", "avx512_amx"])
 def test_forced_isa_passes_the_accuracy_tests(isa):
     skip_unless_isa_rerun_adds(isa, compare_builds=False)
     selection = FORCED_ISA_SELECTION
-    # avx512 and avx512_bf16 are levels of one build that differ only in how they run bf16:
-    # forced to the level the suite does not run on, the bf16 cases take other paths.
+    # avx512, avx512_bf16 and avx512_amx are levels of one build that differ only in how they
+    # run bf16: forced to a level the suite does not run on, the bf16 cases take other paths.
     if ISA_BUILDS[isa] == ISA_BUILDS[mha_ext.build_info()["cpu_isa"]]:
         selection = f"active_isa_matches_environment or (bfloat16 and ({FORCED_ISA_SELECTION}))"
     files = ("test_isa.py", "test_attention.py", "test_dropout.py", "test_paged.py")

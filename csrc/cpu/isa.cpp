@@ -3,6 +3,10 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace mha_ext::cpu {
 namespace {
 
@@ -20,6 +24,14 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("bmi2");
     case CpuIsa::kAvx512Bf16:
       return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+    case CpuIsa::kAvx512Amx: {
+      // The class, not Linux's permission to use the tiles: the kernels run no AMX
+      // instruction of their own.
+      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+      if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+      const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+      return cpu_supports(CpuIsa::kAvx512Bf16) && amx_bf16 && amx_tile;
+    }
   }
   return false;
 #else
@@ -62,13 +74,15 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
     case CpuIsa::kAvx512Bf16: return "avx512_bf16";
+    case CpuIsa::kAvx512Amx: return "avx512_amx";
   }
   return "unknown";
 }
 
 std::vector<CpuIsa> compiled_cpu_isas() {
 #if defined(__x86_64__)
-  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16};
+  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16,
+          CpuIsa::kAvx512Amx};
 #else
   return {CpuIsa::kGeneric};
 #endif

@@ -1,22 +1,27 @@
 #pragma once
 // Run-time choice among the CPU code paths (see kernels/kernels.h), as ATen does: the best
 // ISA this CPU supports, or the one named by MHA_EXT_CPU_ISA (generic | avx2 | avx512 |
-// avx512_bf16), so that tests can force every path this CPU can run.
+// avx512_bf16 | avx512_amx), so that tests can force every path this CPU can run.
 #include <string>
 #include <vector>
 
 namespace mha_ext::cpu {
 
-// Each ISA but the last is a kernel build of its own. kAvx512Bf16 is the AVX-512 build with
+// The first three ISAs are kernel builds of their own. kAvx512Bf16 is the AVX-512 build with
 // its AVX512-BF16 paths enabled (the bf16 attention on brgemm, the bf16 dot products of paged
 // decode): a run-time level of that build rather than a fourth build, because those paths
 // already carry their own target("avx512bf16") attributes (or assembly) and differ from the
 // rest of the build only by the check that selects them. A build of their own would compile
 // kernels_avx512.cpp, the largest kernel build (24 s of the three builds' 61 s at -O3 on one
-// Xeon core), a second time for code that differs only in that check.
-enum class CpuIsa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
+// Xeon core), a second time for code that differs only in that check. kAvx512Amx is the
+// kAvx512Bf16 level on the CPU class with AMX tiles (Intel Xeon since Sapphire Rapids), whose
+// kernels choose for that class where it differs from the other AVX512-BF16 CPUs (AMD Zen 4
+// and 5): there VDPBF16PS runs at a quarter of the FMA's instruction rate, so paged decode
+// scores a bf16 cache with FMAs (PagedKernelTraits::kScoreByBf16Dots).
+enum class CpuIsa { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAvx512Amx };
 
-// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2", "avx512" or "avx512_bf16".
+// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2", "avx512", "avx512_bf16"
+// or "avx512_amx".
 const char* cpu_isa_name(CpuIsa isa);
 
 // The ISAs this library can run, each level after the ones it extends, portable first.

@@ -26,7 +26,7 @@ const char* peak_probe_name(PeakProbeKind kind);
 PeakProbeKind peak_probe_kind(const std::string& name);
 
 // The kinds this process may run, portable first: those whose instructions the active CPU
-// ISA (cpu/isa.h, so MHA_EXT_CPU_ISA too) includes, bf16_dot_avx512 only at avx512_bf16,
+// ISA (cpu/isa.h, so MHA_EXT_CPU_ISA too) includes, bf16_dot_avx512 only from avx512_bf16 on,
 // and bf16_amx where also the CPU has AMX-BF16 and Linux lets this process use the tiles.
 std::vector<PeakProbeKind> available_peak_probes();
 

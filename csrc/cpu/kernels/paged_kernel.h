@@ -178,10 +178,16 @@ struct PagedKernelTraits {
   // conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
   // product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
   // 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to
-  // bf16. AVX-512 class where the CPU has AVX512-BF16 (Zen 5; on the Xeon the instruction
-  // ran at half its FMA rate and gained nothing).
+  // bf16. AVX-512 class, at the avx512_bf16 level only (bf16_dots in paged_attention_kernel):
+  // on the Xeons with AMX (the avx512_amx level) VDPBF16PS runs at a quarter of the FMA's
+  // instruction rate (the peak probes: 145 against 300 GFLOP/s on two cores, model 207), and
+  // the FMAs decoded faster from memory: the suite's bf16 cases on two cores, alternating
+  // runs, model 207 idle, llama2-70b heads at 68-74% of the streaming read against 61-65%,
+  // 32q/8kv 87-94% against 86%, llama2-7b 87-89% against 85%.
   // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,1024,128,1,16
-  // --shape=1,64,8,1024,128,1,16 (4 MiB of bf16 K/V)
+  // --shape=1,64,8,1024,128,1,16 (4 MiB of bf16 K/V); on AMX, python -m mha_ext.bench
+  // --suite paged_decode --context 4096 --dtype bfloat16 with MHA_EXT_CPU_ISA=avx512_bf16
+  // and without
   static constexpr bool kScoreByBf16Dots =
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
 
@@ -508,8 +514,8 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
 #if defined(CPU_CAPABILITY_AVX512)
 // acc + the dot products of a's and b's bf16 pairs, one per fp32 lane (VDPBF16PS: exact
 // products, fp32 sums). Written as assembly so that this translation unit, which also runs
-// on AVX-512 CPUs without BF16, needs no target attribute; it runs only where
-// avx512_bf16_enabled().
+// on AVX-512 CPUs without BF16, needs no target attribute; it runs only at the avx512_bf16
+// level.
 C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -1360,7 +1366,7 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
   using acc_t = typename Traits::acc_t;
   const PagedCallPlan plan = plan_paged_call<acc_t>(p, tasks);
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = Traits::kScoreByBf16Dots && avx512_bf16_enabled();
+  const bool bf16_dots = Traits::kScoreByBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16;
 #else
   constexpr bool bf16_dots = false;
 #endif
