@@ -100,7 +100,7 @@ struct PagedKernelTraits {
   // (score_tile). With 16 registers an fp32 (or fp64) cache goes 4 rows at a time, whose
   // accumulators for a slice of O fit beside the value vectors. A bf16 cache is not split, as
   // each further read of a value converts it again (1.6x slower split, Zen 1), except where
-  // that conversion is cheap (kWidenInPairs: value_group_rows). AVX-512's 32 registers take
+  // that conversion is cheap (kWidenInPairs on AVX2: value_group_rows). AVX-512's 32 registers take
   // all rows. The 1.6x is from AVX2 (Zen 1); the rule is per class (16 or 32 registers).
   // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/' (8 rows)
   static constexpr int kValueRowGroup =
@@ -110,10 +110,12 @@ struct PagedKernelTraits {
   // of a cache widened in pairs go as two groups of 4, whose accumulators fit the registers,
   // as reading each value twice costs only a load and two bit operations more (64q/8kv bf16
   // decode on Zen 1, medians of 8 rounds on two cores: 6.34 against 6.08 GB/s; 5 to 7 rows
-  // lost 3-9% split). AVX2 class (where kWidenInPairs holds).
+  // lost 3-9% split). AVX2 class (AVX-512 takes the 8 rows at once).
   // Check: paged_bench 'paged_decode/batch:8/heads:64/kv_heads:8/.*dtype:1'
   static constexpr int value_group_rows(int rows) {
-    return kWidenInPairs && rows == 8 ? 4 : std::min(rows, kValueRowGroup);
+    return kIsaClass == IsaClass::kAvx2 && kWidenInPairs && rows == 8
+               ? 4
+               : std::min(rows, kValueRowGroup);
   }
 
   // Whether a direct tile of `rows` rows has its value pass request the next tile's key rows,
@@ -155,22 +157,28 @@ struct PagedKernelTraits {
   // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/'
   static constexpr bool kValuesRequestedTileAhead = kIsaClass == IsaClass::kAvx512;
 
-  // Whether the direct path widens a cache's rows to fp32 16 elements at a time
-  // (widen_bf16_pairs): bf16 on AVX2. at::vec widens 8 bf16 at a time by zero-extending them
+  // Whether the direct path widens a bf16 cache's rows to fp32 two vectors at a time
+  // (widen_bf16_pairs). at::vec widens one vector's bf16 at a time by zero-extending them
   // (VPMOVZXWD, a shuffle, which Zen 1 runs on one of the two pipes its FMAs use) and
-  // shifting; one 32-byte load and two bit operations give 16, out of order (the even
-  // elements, then the odd). The tile's q rows and O rows keep each whole group of 16
-  // elements in that order (reorder_groups_of_16): a dot product or an elementwise sum takes
-  // its terms in any order. Measured on Zen 1 (the kernel called directly, 8 sequences x
+  // shifting; one load and two bit operations give two vectors, out of order (the even
+  // elements, then the odd). The tile's q rows and O rows keep each whole group of two
+  // vectors' elements in that order (reorder_pair_groups): a dot product or an elementwise sum
+  // takes its terms in any order. Measured on Zen 1 (the kernel called directly, 8 sequences x
   // context 4096, a bf16 decode being bound by its arithmetic there): on
   // one core 32q/8kv 4.58 -> 5.22 GB/s, 32q/32kv 6.48 -> 7.38, 64q/8kv 2.86 -> 2.93 (8 rows,
   // whose accumulators leave no room for a second chain); on two, medians of 10 rounds
-  // alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9 and 5.77 -> 6.02. AVX2 class; on the
-  // AVX-512 Xeon the same measured no faster, and AVX-512 leaves it out.
-  // Check: MHA_EXT_CPU_ISA=avx2 paged_bench 'paged_decode/batch:8/.*dtype:1' (also with
-  // OMP_NUM_THREADS=1)
+  // alternating the builds, 6.71 -> 7.36, 10.8 -> 12.9 and 5.77 -> 6.02. AVX-512 (Xeon model
+  // 207, where keys are scored by FMAs, kScoreByBf16Dots): 64q/8kv from L3 on one core, 8
+  // sequences x 1024 tokens, six alternating rounds, 2.50-2.66 -> 2.35-2.46 ms a step; the
+  // paged_decode suite from memory on two cores, seven alternating runs, llama2-70b heads
+  // median 20.1 -> 20.8 GB/s (15.7-20.6 -> 19.1-22.6), llama2-7b 24.0 -> 25.2 (23.1-24.8 ->
+  // 24.3-25.5). With
+  // VDPBF16PS scoring the keys (Zen 5) only the value pass widens in pairs. Every class but
+  // the portable build.
+  // Check: paged_bench 'paged_decode/batch:8/.*dtype:1' (also with OMP_NUM_THREADS=1; on
+  // AVX-512 CPUs also with MHA_EXT_CPU_ISA=avx2)
   static constexpr bool kWidenInPairs =
-      kIsaClass == IsaClass::kAvx2 && std::is_same_v<scalar_t, c10::BFloat16>;
+      kIsaClass != IsaClass::kPortable && std::is_same_v<scalar_t, c10::BFloat16>;
 
   // Whether the direct path scores a bf16 cache with AVX512-BF16 dot products of bf16 pairs
   // (where the CPU has them), q's rows kept in bf16 and the scale applied to the sums: one
@@ -210,11 +218,11 @@ struct PagedKernelTraits {
     }
   }
 
-  // Vectors per score step of `keys` keys: two for one key of an fp32 cache or of a bf16
-  // cache widened in pairs (kWidenInPairs), where q's rows hold each whole group of 16
-  // elements in the pairs' order.
+  // Vectors per score step of `keys` keys: two for one key of an fp32 cache, and for any
+  // keys of a bf16 cache widened in pairs (kWidenInPairs), where q's rows hold each whole
+  // group of two vectors' elements in the pairs' order.
   static constexpr int score_step_vectors(int keys) {
-    return keys == 1 && (std::is_same_v<scalar_t, acc_t> || kWidenInPairs) ? 2 : 1;
+    return kWidenInPairs || (keys == 1 && std::is_same_v<scalar_t, acc_t>) ? 2 : 1;
   }
 
   // Accumulator chains per dot product of `rows` rows: one key's rows FMAs per vector are too
@@ -225,11 +233,12 @@ struct PagedKernelTraits {
   // pays only where the value pass requests the keys (value_pass_requests_keys), as a shorter
   // score pass that requests them all left more of the tile's time to the value pass without
   // reads (13.0 against 14.3 GB/s). Measured on AVX2 (Zen 1); AVX-512's steps of one key
-  // (odd row counts) follow the same rule.
+  // (odd row counts) follow the same rule, and its steps of several keys take one chain (their
+  // keys' products are independent already, and two chains would not fit the registers).
   // Check: OMP_NUM_THREADS=1 build/cmake/paged_bench --shape=1,32,8,256,128,0,16 (cache)
   // and paged_bench 'paged_decode/batch:8/heads:32/kv_heads:8/.*dtype:0' (memory)
-  static constexpr int score_chains(int rows, int step_vectors) {
-    return step_vectors == 2 && 2 * rows + 3 <= kVectorRegisters ? 2 : 1;
+  static constexpr int score_chains(int rows, int keys, int step_vectors) {
+    return keys == 1 && step_vectors == 2 && 2 * rows + 3 <= kVectorRegisters ? 2 : 1;
   }
 
   // Whether score_tile spreads its row requests through the score loop of a step of `keys`
@@ -460,10 +469,18 @@ struct SweepRequests {
   }
 };
 
-#if defined(CPU_CAPABILITY_AVX2)
-// src[0, 16) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
+#if defined(CPU_CAPABILITY_AVX512)
+// src[0, 32) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
 // high half of the fp32 of the same value, so shifting each 32-bit lane left by 16 gives its
 // low element and clearing the lane's low half its high one.
+C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m512& even, __m512& odd) {
+  const __m512i raw = _mm512_loadu_si512(src);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd =
+      _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// src[0, 16) as fp32, as the AVX-512 version does for 32.
 C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -472,21 +489,23 @@ C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m256& even, 
 }
 #endif
 
-// Reorders each whole group of 16 elements of row[0, dim) from natural order to the order
-// widen_bf16_pairs gives (elements 0, 2, .., 14, then 1, 3, .., 15) or, with to_pairs false,
-// back. Elements past the last whole group stay in place. Once per tile row and task.
+// Reorders each whole group of two vectors' elements (kGroup) of row[0, dim) from natural
+// order to the order widen_bf16_pairs gives (the group's even elements, then its odd ones) or,
+// with to_pairs false, back. Elements past the last whole group stay in place. Once per tile
+// row and task.
 template <typename acc_t>
-void reorder_groups_of_16(acc_t* row, int64_t dim, bool to_pairs) {
-  for (int64_t group = 0; group + 16 <= dim; group += 16) {
-    acc_t copy[16];
-    std::copy(row + group, row + group + 16, copy);
-    for (int i = 0; i < 8; ++i) {
+void reorder_pair_groups(acc_t* row, int64_t dim, bool to_pairs) {
+  constexpr int64_t kGroup = 2 * at::vec::Vectorized<acc_t>::size();
+  for (int64_t group = 0; group + kGroup <= dim; group += kGroup) {
+    acc_t copy[kGroup];
+    std::copy(row + group, row + group + kGroup, copy);
+    for (int64_t i = 0; i < kGroup / 2; ++i) {
       if (to_pairs) {
         row[group + i] = copy[2 * i];
-        row[group + 8 + i] = copy[2 * i + 1];
+        row[group + kGroup / 2 + i] = copy[2 * i + 1];
       } else {
         row[group + 2 * i] = copy[i];
-        row[group + 2 * i + 1] = copy[8 + i];
+        row[group + 2 * i + 1] = copy[kGroup / 2 + i];
       }
     }
   }
@@ -498,9 +517,13 @@ template <typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized<acc_t>& first,
                                         at::vec::Vectorized<acc_t>& second) {
   constexpr int64_t kWidth = at::vec::Vectorized<acc_t>::size();
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512 even, odd;
+#else
     __m256 even, odd;
+#endif
     widen_bf16_pairs(src, even, odd);
     first = even;
     second = odd;
@@ -623,7 +646,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   constexpr int kStepVectors = Traits::score_step_vectors(kKeys);
   // Each vector's loads come before its FMAs, row by row alternating chains: chain by chain,
   // the same plan read 15.2 against 16.5 GB/s (Zen 1, 32q/8kv fp32 decode from memory).
-  constexpr int kChains = Traits::score_chains(kRows, kStepVectors);
+  constexpr int kChains = Traits::score_chains(kRows, kKeys, kStepVectors);
   Vec acc[kChains][kKeys * kRows];  // acc[chain][j * kRows + r]: part of q[r] . keys[j]
   unrolled<kChains * kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     acc[i / (kKeys * kRows)][i % (kKeys * kRows)] = Vec(acc_t(0));
@@ -642,7 +665,9 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   auto step = [&](int64_t d, auto vectors) C10_ALWAYS_INLINE_ATTRIBUTE {
     Vec k[vectors][kKeys];
     if constexpr (vectors == 2) {
-      load_two_vectors(keys[0] + d, k[0][0], k[1][0]);  // kStepVectors is 2 for one key only
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        load_two_vectors(keys[j] + d, k[0][j], k[1][j]);
+      });
     } else {
       unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         k[0][j] = load_cached<acc_t>(keys[j] + d, kWidth);
@@ -782,7 +807,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
       static_assert(kVectors % 2 == 0, "pairs of vectors");
       unrolled<kVectors / 2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         const scalar_t* pair = value_rows[c] + d0 + 2 * j * kWidth;
-        if (kFull || width[2 * j + 1] == kWidth) {  // a whole group of 16, in O's pairs order
+        if (kFull || width[2 * j + 1] == kWidth) {  // a whole pair group, in O's pairs order
           load_two_vectors(pair, v[2 * j], v[2 * j + 1]);
         } else {
           v[2 * j] = load_as<acc_t>(pair, width[2 * j]);
@@ -1034,7 +1059,7 @@ void start_task(const PagedAttentionParams& p, const PagedTask& task,
         }
       }
       load_rows(q_row, 0, 1, p.head_dim, state.q + r * ld_d, ld_d, q_scale);
-      if (task.widen_in_pairs) reorder_groups_of_16(state.q + r * ld_d, p.head_dim, true);
+      if (task.widen_in_pairs) reorder_pair_groups(state.q + r * ld_d, p.head_dim, true);
     }
     std::fill(state.o, state.o + task.rows * ld_dv, acc_t(0));
     std::fill(state.row_max_log2, state.row_max_log2 + task.rows, kMinusInf);
@@ -1290,7 +1315,7 @@ void finish_task(const PagedAttentionParams& p, const PagedTask& task,
     const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
     for (int64_t r = 0; r < task.rows; ++r) {
       acc_t* o_row = state.o + r * scratch.plan.ld_dv;
-      if (task.widen_in_pairs) reorder_groups_of_16(o_row, p.head_dim_v, false);
+      if (task.widen_in_pairs) reorder_pair_groups(o_row, p.head_dim_v, false);
       if (value_factor != acc_t(1)) {
         at::vec::map([value_factor](Vec x) { return x * Vec(value_factor); }, o_row, o_row,
                      p.head_dim_v);
