@@ -46,6 +46,37 @@ def test_active_isa_matches_environment():
     assert mha_ext.build_info()["cpu_isa"] == forced
 
 
+# The flags Linux reports for each level's features (/proc/cpuinfo), each level's on top of
+# the one before.
+ISA_FLAGS = {
+    "avx2": {"avx2", "fma", "bmi2"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512_bf16": {"avx512_bf16"},
+    "avx512_amx": {"amx_bf16", "amx_tile"},
+}
+
+
+def test_default_isa_is_the_best_the_cpu_flags_allow():
+    # The levels read cpuid themselves (cpu/isa.cpp); Linux lists the same bits by name (the
+    # AMX ones since 5.16), so a wrong bit or a missing feature check shows here.
+    if os.environ.get("MHA_EXT_CPU_ISA"):
+        pytest.skip("MHA_EXT_CPU_ISA is set in this process")
+    if not X86 or not Path("/proc/cpuinfo").exists():
+        pytest.skip("needs x86-64 Linux")
+    if tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2]) < (5, 16):
+        pytest.skip("Linux before 5.16 does not list the AMX flags")
+    flags_line = next(
+        line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+    )
+    flags = set(flags_line.split(":", 1)[1].split())
+    expected = "generic"
+    for isa, needed in ISA_FLAGS.items():
+        if not needed <= flags:
+            break
+        expected = isa
+    assert mha_ext.build_info()["cpu_isa"] == expected
+
+
 def test_unknown_isa_is_a_clear_error():
     result = run_python("import mha_ext; mha_ext.build_info()", "sse9")
     assert result.returncode != 0
