@@ -24,14 +24,10 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("bmi2");
     case CpuIsa::kAvx512Bf16:
       return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
-    case CpuIsa::kAvx512Amx: {
+    case CpuIsa::kAvx512Amx:
       // The class, not Linux's permission to use the tiles: the kernels run no AMX
       // instruction of their own.
-      unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-      if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-      const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-      return cpu_supports(CpuIsa::kAvx512Bf16) && amx_bf16 && amx_tile;
-    }
+      return cpu_supports(CpuIsa::kAvx512Bf16) && cpu_has_amx_bf16();
   }
   return false;
 #else
@@ -67,6 +63,17 @@ CpuIsa choose_cpu_isa() {
 }
 
 }  // namespace
+
+bool cpu_has_amx_bf16() {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+  return amx_bf16 && amx_tile;
+#else
+  return false;
+#endif
+}
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {

@@ -27,6 +27,10 @@ const char* cpu_isa_name(CpuIsa isa);
 // The ISAs this library can run, each level after the ones it extends, portable first.
 std::vector<CpuIsa> compiled_cpu_isas();
 
+// Whether the CPU reports AMX-BF16 and AMX-TILE (cpuid leaf 7), whatever Linux grants the
+// process: the avx512_amx level's class, and the first condition of the AMX peak probe.
+bool cpu_has_amx_bf16();
+
 // Chosen on first use and fixed for the life of the process. Throws std::runtime_error
 // when MHA_EXT_CPU_ISA names an unknown ISA or one this CPU lacks.
 CpuIsa active_cpu_isa();

@@ -8,7 +8,6 @@
 #include "cpu/parallel.h"
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -112,12 +111,9 @@ static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 // first tile instruction faults. The grant is for the whole process, so one request does.
 bool amx_usable() {
   static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
     constexpr long kArchReqXcompPerm = 0x1023;
     constexpr long kXfeatureXtiledata = 18;
-    return amx_bf16 && amx_tile &&
+    return cpu_has_amx_bf16() &&
            syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return usable;

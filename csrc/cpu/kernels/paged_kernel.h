@@ -172,9 +172,8 @@ struct PagedKernelTraits {
   // sequences x 1024 tokens, six alternating rounds, 2.50-2.66 -> 2.35-2.46 ms a step; the
   // paged_decode suite from memory on two cores, seven alternating runs, llama2-70b heads
   // median 20.1 -> 20.8 GB/s (15.7-20.6 -> 19.1-22.6), llama2-7b 24.0 -> 25.2 (23.1-24.8 ->
-  // 24.3-25.5). With
-  // VDPBF16PS scoring the keys (Zen 5) only the value pass widens in pairs. Every class but
-  // the portable build.
+  // 24.3-25.5). With VDPBF16PS scoring the keys (Zen 5) only the value pass widens in pairs.
+  // Every class but the portable build.
   // Check: paged_bench 'paged_decode/batch:8/.*dtype:1' (also with OMP_NUM_THREADS=1; on
   // AVX-512 CPUs also with MHA_EXT_CPU_ISA=avx2)
   static constexpr bool kWidenInPairs =
@@ -473,7 +472,8 @@ struct SweepRequests {
 // src[0, 32) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
 // high half of the fp32 of the same value, so shifting each 32-bit lane left by 16 gives its
 // low element and clearing the lane's low half its high one.
-C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m512& even, __m512& odd) {
+C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, at::vec::Vectorized<float>& even,
+                                        at::vec::Vectorized<float>& odd) {
   const __m512i raw = _mm512_loadu_si512(src);
   even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   odd =
@@ -481,7 +481,8 @@ C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m512& even, 
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 // src[0, 16) as fp32, as the AVX-512 version does for 32.
-C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, __m256& even, __m256& odd) {
+C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, at::vec::Vectorized<float>& even,
+                                        at::vec::Vectorized<float>& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
   odd =
@@ -519,14 +520,7 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
   constexpr int64_t kWidth = at::vec::Vectorized<acc_t>::size();
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs) {
-#if defined(CPU_CAPABILITY_AVX512)
-    __m512 even, odd;
-#else
-    __m256 even, odd;
-#endif
-    widen_bf16_pairs(src, even, odd);
-    first = even;
-    second = odd;
+    widen_bf16_pairs(src, first, second);
     return;
   }
 #endif
