@@ -77,6 +77,21 @@ def test_default_isa_is_the_best_the_cpu_flags_allow():
     assert mha_ext.build_info()["cpu_isa"] == expected
 
 
+def test_isa_beyond_this_cpu_is_a_clear_error():
+    # The levels above the one chosen by default are those this CPU lacks (on a Zen 4 or 5:
+    # avx512_amx); forcing one names it.
+    if os.environ.get("MHA_EXT_CPU_ISA"):
+        pytest.skip("MHA_EXT_CPU_ISA is set in this process")
+    info = mha_ext.build_info()
+    beyond = info["cpu_isas"][info["cpu_isas"].index(info["cpu_isa"]) + 1 :]
+    if not beyond:
+        pytest.skip(f"this CPU runs every compiled ISA up to {info['cpu_isa']}")
+    result = run_python("import mha_ext; mha_ext.build_info()", beyond[-1])
+    assert result.returncode != 0
+    expected = f"MHA_EXT_CPU_ISA={beyond[-1]} but this CPU does not support {beyond[-1]}"
+    assert expected in result.stderr
+
+
 def test_unknown_isa_is_a_clear_error():
     result = run_python("import mha_ext; mha_ext.build_info()", "sse9")
     assert result.returncode != 0
