@@ -137,6 +137,12 @@ def main():
             None if args.load_balance == "none" else args.load_balance,
             log=rank == 0,
         )
+        if dist.is_initialized():
+            # Gloo's worker threads free a finished collective's tensors after its wait()
+            # returns, taking the GIL to do so; one still waiting for it when the interpreter
+            # shuts down aborts the process (pytorch/pytorch#117762). The barrier's wait
+            # releases the GIL until every rank got here, by which time they have.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

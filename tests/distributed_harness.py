@@ -38,6 +38,11 @@ def _run_rank(rank: int, world_size: int, port: int, worker, args) -> None:
     )
     try:
         worker(rank, world_size, *args)
+        # Gloo's worker threads may still be freeing the last collective's tensors, which
+        # takes the GIL, and abort the process if the interpreter shuts down meanwhile
+        # (pytorch/pytorch#117762): the barrier's wait gives them the GIL. Only when every
+        # rank got here; after an error the others may be inside a collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -319,6 +319,7 @@ def _rank_main(rank, world, port, threads, specs, repeats, results_queue):
             results = [_run_case(spec, repeats, meter) for spec in specs]
         if rank == 0:
             results_queue.put(results)
+        dist.barrier()  # lets Gloo's threads free the last tensors first (mha_ext/train.py)
     finally:
         dist.destroy_process_group()
 
