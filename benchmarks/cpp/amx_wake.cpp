@@ -17,15 +17,9 @@
 #include <cstdio>
 #include <cstring>
 
-namespace {
+#include "cpu/amx_tile_config.h"
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t row_bytes[16] = {};
-  uint8_t rows[16] = {};
-};
+namespace {
 
 alignas(64) int8_t a_tile[16 * 64];
 alignas(64) int8_t b_tile[16 * 64];
@@ -71,11 +65,7 @@ __attribute__((target("avx512f,amx-tile,amx-int8"))) double round_ns(int steps, 
 }
 
 __attribute__((target("amx-tile"))) void configure_tiles() {
-  TileConfig config;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = 16;
-    config.row_bytes[tile] = 64;
-  }
+  const mha_ext::cpu::AmxTileConfig config(16, 64);
   asm volatile("" ::: "memory");  // LDTILECFG's statement names 8 bytes of its operand
   _tile_loadconfig(&config);
 }

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <stdexcept>
 
+#include "cpu/amx_tile_config.h"
 #include "cpu/isa.h"
 #include "cpu/parallel.h"
 
@@ -98,15 +99,6 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_dot_avx512_loop(int64_t
 // tiles 4-5 hold A (16 rows x 32 bf16), 6-7 hold B (16 rows of 16 bf16 pairs); each
 // TDPBF16PS multiplies one A by one B into its own accumulator, so the four products of an
 // iteration are independent and cover the instruction's latency.
-struct alignas(64) TileConfig {
-  uint8_t palette = 0;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t row_bytes[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
 // Linux (5.16+) grants a process the AMX tile data state only on request; without it the
 // first tile instruction faults. The grant is for the whole process, so one request does.
 bool amx_usable() {
@@ -122,14 +114,9 @@ bool amx_usable() {
 __attribute__((target("amx-tile,amx-bf16"))) float bf16_amx_loop(int64_t iterations, float, float) {
   // torch's brgemm keeps its tile configuration loaded between calls on a thread: restore
   // whatever this thread had, so that its next call finds the tiles as it left them.
-  TileConfig previous;
+  AmxTileConfig previous;
   _tile_storeconfig(&previous);
-  TileConfig config;
-  config.palette = 1;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = kAmxRows;
-    config.row_bytes[tile] = kAmxRowBytes;
-  }
+  const AmxTileConfig config(kAmxRows, kAmxRowBytes);
   // GCC's LDTILECFG statement names only 8 bytes of its operand as read: without the barrier
   // the compiler may drop the stores of the rest, and a garbage configuration faults.
   asm volatile("" ::: "memory");
