@@ -37,14 +37,20 @@ OUTLIER_CHANNELS = 4
 OUTLIER_FACTOR = 20.0
 CALIBRATION_TOKENS = 512
 CALIBRATION_SEED = 10_000  # the draws use seeds 0, 1, ...; the calibration keys another
-# The cache dtype of each format; fp8's unit and calibrated scales share one.
+# The cache dtype of each format; fp8's unit and calibrated scales share one, int8's two
+# query dtypes theirs.
 CACHE_DTYPES = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
+    "int8-bf16-q": torch.int8,
     "fp8": torch.float8_e4m3fn,
     "fp8-calibrated": torch.float8_e4m3fn,
 }
 FORMATS = tuple(CACHE_DTYPES)
+# The dtype of the q, K and V rows each format's kernel takes (and of its output): a bf16
+# cache's own; an 8-bit cache's fp32, or bf16 as a bf16 model gives them, where the AVX-512
+# kernels score and weight in 16-bit integers (PagedKernelTraits::kInt16Dots).
+ROWS_DTYPES = {"bf16": torch.bfloat16, "int8-bf16-q": torch.bfloat16}
 
 
 @dataclass
@@ -128,21 +134,27 @@ def fp8_scales(fmt: str, data: Data):
 
 
 def simulate(fmt: str, data: Data) -> Tensor:
-    """Float64 attention over K/V as the format stores them."""
+    """Float64 attention over K/V as the format stores them. An 8-bit format fed bf16 rows
+    (ROWS_DTYPES) takes q, K and V in bf16 and gives its output in bf16, as its kernel does,
+    so that the two differ only by the kernel's arithmetic."""
+    bf16_rows = fmt != "bf16" and ROWS_DTYPES.get(fmt) == torch.bfloat16
+    if bf16_rows:
+        data = Data(*(x.to(torch.bfloat16).float() for x in (data.q, data.k, data.v)))
     if fmt == "bf16":
         k, v = (x.to(torch.bfloat16) for x in (data.k, data.v))
-    elif fmt == "int8":
+    elif CACHE_DTYPES[fmt] == torch.int8:
         k, v = int8_round_trip(data.k), int8_round_trip(data.v)
     else:
         k_scale, v_scale = fp8_scales(fmt, data)
         k, v = fp8_round_trip(data.k, k_scale), fp8_round_trip(data.v, v_scale)
-    return attention64(data.q, k, v)
+    out = attention64(data.q, k, v)
+    return out.to(torch.bfloat16).double() if bf16_rows else out
 
 
 def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
     """mha_ext's append and paged attention over a cache of the format's dtype, one sequence
-    -> (heads, D). An 8-bit cache takes the fp32 q, K and V as they are; a bf16 cache takes
-    them in bf16 (its output is bf16 too), as a bf16 model gives them."""
+    -> (heads, D). The q, K and V rows (and the output) are ROWS_DTYPES[fmt], fp32 where it
+    names none."""
     context, kv_heads, head_dim = data.k.shape
     scales = dict(zip(("k_scale", "v_scale"), fp8_scales(fmt, data))) if "fp8" in fmt else {}
     cache = PagedKVCache(
@@ -159,7 +171,7 @@ def kernel(fmt: str, data: Data, block_size: int = 16) -> Tensor:
     batch = cache.prepare([seq], [context])
     k_cache, v_cache = cache.key_caches[0], cache.value_caches[0]
     quantization = cache.scale_arguments(0)
-    rows_dtype = torch.float32 if quantization else k_cache.dtype
+    rows_dtype = ROWS_DTYPES.get(fmt, torch.float32)
     q, k, v = (t.to(rows_dtype) for t in (data.q, data.k, data.v))
     mha_ext.paged_kv_append(k, v, k_cache, v_cache, batch.slot_mapping, **quantization)
     return mha_ext.paged_attention(

@@ -23,7 +23,10 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("bmi2");
     case CpuIsa::kAvx512Bf16:
-      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+      // Its paths also take AVX512-VNNI's int16 dot products (the paged kernel's kInt16Dots),
+      // which every CPU with AVX512-BF16 has.
+      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16") &&
+             __builtin_cpu_supports("avx512vnni");
     case CpuIsa::kAvx512Amx:
       // The class, not Linux's permission to use the tiles: the kernels run no AMX
       // instruction of their own.

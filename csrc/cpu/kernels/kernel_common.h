@@ -377,34 +377,52 @@ C10_ALWAYS_INLINE void horizontal_sums(const at::vec::Vectorized<acc_t> (&v)[kCo
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The horizontal sums of 16 fp32 vectors as one vector, in the order of a 4 x 4 transpose:
+// The horizontal sums of 16 vectors as one vector, in the order of a 4 x 4 transpose:
 // element 4k + e (128-bit lane k, element e) is the sum of v[4e + k]. Four levels of
 // shuffles and adds, each halving the vectors: 45 instructions for 16 sums, where
-// horizontal_sums takes about 30 for 8 and leaves them to be stored one at a time.
-C10_ALWAYS_INLINE __m512 transposed_sums16(const at::vec::Vectorized<float> (&v)[16]) {
+// horizontal_sums takes about 30 for 8 and leaves them to be stored one at a time. `add`
+// adds two vectors' lanes: as fp32, or as int32 over the same bits (the shuffles only move
+// them), for sums of integers that convert once, after the reduction.
+template <typename Add>
+C10_ALWAYS_INLINE __m512 transposed_sums16(const __m512 (&v)[16], Add add) {
   // halves[j]: 8 partial sums of v[2j] in the low 256 bits, of v[2j + 1] in the high.
   __m512 halves[8];
   unrolled<8>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
     const __m512 even = v[2 * j], odd = v[2 * j + 1];
-    halves[j] =
-        _mm512_add_ps(_mm512_shuffle_f32x4(even, odd, 0x44), _mm512_shuffle_f32x4(even, odd, 0xEE));
+    halves[j] = add(_mm512_shuffle_f32x4(even, odd, 0x44), _mm512_shuffle_f32x4(even, odd, 0xEE));
   });
   // quarters[j]: 4 partial sums of v[4j + k] in 128-bit lane k.
   __m512 quarters[4];
   unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-    quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),
-                                _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));
+    quarters[j] = add(_mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0x88),
+                      _mm512_shuffle_f32x4(halves[2 * j], halves[2 * j + 1], 0xDD));
   });
   // pairs[j]: in lane k, 2 partial sums of v[8j + k], then 2 of v[8j + 4 + k].
   __m512 pairs[2];
   unrolled<2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
     const __m512 a = quarters[2 * j], b = quarters[2 * j + 1];
-    pairs[j] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    pairs[j] = add(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                   _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   });
   // Lane k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k].
-  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+C10_ALWAYS_INLINE __m512 transposed_sums16(const at::vec::Vectorized<float> (&v)[16]) {
+  __m512 lanes[16];
+  unrolled<16>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { lanes[i] = v[i]; });
+  return transposed_sums16(lanes, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+// transposed_sums16 of int32 vectors (sums that do not overflow), converted to fp32.
+C10_ALWAYS_INLINE __m512 transposed_sums16(const __m512i (&v)[16]) {
+  __m512 bits[16];
+  unrolled<16>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { bits[i] = _mm512_castsi512_ps(v[i]); });
+  const __m512 sums = transposed_sums16(bits, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  });
+  return _mm512_cvtepi32_ps(_mm512_castps_si512(sums));
 }
 #endif
 
@@ -531,9 +549,10 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Whether the AVX-512 build may run its AVX512-BF16 paths: only at the avx512_bf16 and
-// avx512_amx levels of cpu/isa.h, which the CPU must support and MHA_EXT_CPU_ISA=avx512 turns
-// off, so that the build's other paths for bf16 run (and are tested) on BF16 CPUs too.
+// Whether the AVX-512 build may run its AVX512-BF16 and AVX512-VNNI paths: only at the
+// avx512_bf16 and avx512_amx levels of cpu/isa.h, which the CPU must support and
+// MHA_EXT_CPU_ISA=avx512 turns off, so that the build's other paths run (and are tested) on
+// these CPUs too.
 inline bool avx512_bf16_enabled() { return active_cpu_isa() >= CpuIsa::kAvx512Bf16; }
 
 // dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.

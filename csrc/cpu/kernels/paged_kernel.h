@@ -198,6 +198,31 @@ struct PagedKernelTraits {
   static constexpr bool kScoreByBf16Dots =
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
 
+  // Whether the direct path multiplies an int8 cache in integers, for a bf16 or fp16 q: in
+  // both passes AVX512-VNNI dot products of int16 pairs (VPDPWSSD), one instruction for 32
+  // elements of one row, where converting 16 cached elements to fp32 took two and then an FMA
+  // per row, on the two ports that the FMAs share. The scores take q's rows rounded to
+  // integers on a power-of-two step (quantize_query_rows: exact for a bf16 element within 8
+  // binades of the row's largest, an fp16 within 5, any other within 2^-15 of the largest);
+  // the values take P's rows (the value scales folded in) rounded to integers on a step of
+  // the row's largest weight in the work item / 32767 (quantize_probabilities): finer than
+  // the bf16 P of GPU FlashAttention for every weight above 1/128 of that largest. Both stay
+  // far below the int8 format's own error (README: the kernel's error is the simulated
+  // format's, q in bf16 or fp32 alike), and the outputs within the accuracy rule of their
+  // dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as do the avx512 level
+  // and AVX2. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
+  // AVX512-VNNI there).
+  // Xeon model 207 (AMX class), bf16 q, B8 32q/8kv D128 context 4096 from memory, four
+  // pairs of suite runs alternating MHA_EXT_CPU_ISA=avx512 (the fp32 FMAs of the same build):
+  // 1.46-1.53x -> 1.55-1.62x the bf16 cache's tokens/s; one thread from L2 (context 128):
+  // 1.11-1.12x -> 1.34-1.39x.
+  // Check: python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16
+  // --kv-cache-dtype int8 --kv-cache-only (and OMP_NUM_THREADS=1 python
+  // benchmarks/kv_cache_speed.py --in-cache --context 128 --formats bf16 int8), with
+  // MHA_EXT_CPU_ISA=avx512 and without
+  static constexpr bool kInt16Dots =
+      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, int8_t>;
+
   // Keys scored together by the direct path for `rows` rows. AVX-512 class (Zen 5): enough
   // that their rows x keys dot products share one reduction tree: 16 for 2, 4 or 8 rows
   // (transposed_sums16, one vector of sums; 8 rows from L2 on one core 23.6 -> 26.0 GB/s
@@ -378,6 +403,18 @@ void scale_columns(acc_t* tile, int64_t ld, int64_t rows, int64_t cols,
   }
 }
 
+// tile[r, c] *= row_factors[r] column_scales[c] for r < rows, c < cols.
+template <typename acc_t>
+void scale_rows_and_columns(acc_t* tile, int64_t ld, int64_t rows, int64_t cols,
+                            const acc_t* row_factors, const acc_t* column_scales) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Vec factor(row_factors[r]);
+    at::vec::map2([factor](Vec x, Vec scale) { return x * (factor * scale); }, tile + r * ld,
+                  tile + r * ld, column_scales, cols);
+  }
+}
+
 // Requests the 64-byte line holding *address into the caches.
 C10_ALWAYS_INLINE void request_line(const void* address) {
 #if defined(__x86_64__)
@@ -537,6 +574,22 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
+
+// acc + the dot products of a's and b's int16 pairs, one per int32 lane (VPDPWSSD, wrapping;
+// the int16 q rows and int8 keys of kInt16Dots sum to at most 2^22 per pair). Assembly
+// for the same reason; it runs only where avx512_bf16_enabled(), whose CPUs have AVX512-VNNI.
+C10_ALWAYS_INLINE __m512i add_int16_pair_dots(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// The mask of a mask_t's lanes [0, n): all of them for n >= its width, none for n <= 0.
+template <typename mask_t>
+C10_ALWAYS_INLINE mask_t lanes_below(int64_t n) {
+  constexpr int64_t kLanes = 8 * sizeof(mask_t);
+  if (n >= kLanes) return static_cast<mask_t>(~uint64_t(0));
+  return n <= 0 ? mask_t(0) : static_cast<mask_t>((uint64_t(1) << n) - 1);
+}
 #endif
 
 // What a one-key score step requests while it walks its key row: nothing, the value row of
@@ -551,13 +604,19 @@ struct RowRequests {
 };
 
 // scores[r * ld_s + j] = scale x the horizontal sum of acc[j * kRows + r] for r < kRows,
-// j < kKeys.
+// j < kKeys; acc: vectors of acc_t, or on AVX-512 of int32 (kInt16Dots).
 // On AVX-512, 16 sums reduce together into one vector (transposed_sums16), permuted so that
 // each row's kKeys sums lie together and stored a row at a time.
-template <int kRows, int kKeys, typename acc_t>
-C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc)[kKeys * kRows],
-                                          acc_t scale, acc_t* scores, int64_t ld_s) {
+template <int kRows, int kKeys, typename vec_t, typename acc_t>
+C10_ALWAYS_INLINE void store_dot_products(const vec_t (&acc)[kKeys * kRows], acc_t scale,
+                                          acc_t* scores, int64_t ld_s) {
 #if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<vec_t, __m512i> && kRows * kKeys != 16) {
+    at::vec::Vectorized<float> sums[kKeys * kRows];
+    unrolled<kKeys * kRows>(
+        [&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { sums[i] = _mm512_cvtepi32_ps(acc[i]); });
+    return store_dot_products<kRows, kKeys>(sums, scale, scores, ld_s);
+  }
   if constexpr (std::is_same_v<acc_t, float> && kRows * kKeys == 16) {
     __m512 sums = _mm512_mul_ps(transposed_sums16(acc), _mm512_set1_ps(scale));
     if constexpr (kRows != 4) {  // with 4 rows the transpose leaves row r's 4 sums in lane r
@@ -593,10 +652,12 @@ C10_ALWAYS_INLINE void store_dot_products(const at::vec::Vectorized<acc_t> (&acc
     return;
   }
 #endif
-  acc_t sums[kKeys * kRows];
-  horizontal_sums(acc, sums);
-  for (int j = 0; j < kKeys; ++j) {
-    for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = scale * sums[j * kRows + r];
+  if constexpr (std::is_same_v<vec_t, at::vec::Vectorized<acc_t>>) {
+    acc_t sums[kKeys * kRows];
+    horizontal_sums(acc, sums);
+    for (int j = 0; j < kKeys; ++j) {
+      for (int r = 0; r < kRows; ++r) scores[r * ld_s + j] = scale * sums[j * kRows + r];
+    }
   }
 }
 
@@ -609,7 +670,31 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
                                   const RowRequests<scalar_t>& requests) {
   using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
+  if constexpr (std::is_same_v<q_t, int16_t>) {  // int16 q, int8 keys: kInt16Dots
+    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kInt16Dots,
+                  "int16 dot products");
+    __m512i acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
+    unrolled<kKeys * kRows>([&](auto i)
+                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_si512(); });
+    // 32 elements from d on, the lanes outside `lanes` zero (and not read).
+    auto step = [&](int64_t d, __mmask32 lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
+      __m512i k[kKeys];
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        k[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d));
+      });
+      unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
+        unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          acc[j * kRows + r] = add_int16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+        });
+      });
+    };
+    int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
+    if (d < dim) step(d, lanes_below<__mmask32>(dim - d));
+    store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
+    return;
+  } else if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
     static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots,
                   "bf16 dot products");
     at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
@@ -854,6 +939,141 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
   if (d0 < dim) slice(std::false_type{}, d0);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// For PagedKernelTraits::kInt16Dots: P's rows (the value scales folded in, s_tile [rows,
+// kKeyBlock]) as int16 on a step of the row's largest / 32767, p_int16 [rows, kKeyBlock] (zero
+// past cols, up to the next 16), and the steps in row_step [rows]. False, with p_int16 unused,
+// where a row holds a NaN or an infinity (a NaN or infinite scale), which the fp32 value pass
+// must propagate.
+inline bool quantize_probabilities(const float* s_tile, int64_t rows, int64_t cols,
+                                   int16_t* p_int16, float* row_step) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* probs = s_tile + r * kKeyBlock;
+    __m512 largest = _mm512_setzero_ps();
+    __mmask16 unordered = 0;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m512 x = _mm512_maskz_loadu_ps(lanes_below<__mmask16>(cols - c), probs + c);
+      largest = _mm512_max_ps(largest, x);
+      unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    }
+    const float row_max = _mm512_reduce_max_ps(largest);
+    if (unordered != 0 || !std::isfinite(row_max)) return false;
+    row_step[r] = row_max / 32767.f;
+    const __m512 to_units = _mm512_set1_ps(row_max > 0.f ? 32767.f / row_max : 0.f);
+    int16_t* units = p_int16 + r * kKeyBlock;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m512 x = _mm512_maskz_loadu_ps(lanes_below<__mmask16>(cols - c), probs + c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(units + c),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_units))));
+    }
+  }
+  return true;
+}
+
+// accumulate_value_slice for PagedKernelTraits::kInt16Dots: O[r] += row_step[r] sum over c <
+// cols of P_int16[r, c] v_c on O's columns [d0, d0 + kVectors x 16), by VPDPWSSD over pairs of
+// keys. A pair's two value rows are widened to int16 and interleaved column by column (two
+// widenings and two permutes per 32 columns), so that each int32 lane, one column, takes
+// P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of P's row. The int32 sums
+// (at most 64 keys x 32767 x 128 < 2^28) join O in fp32 once per slice. kFull as in
+// accumulate_value_slice; kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
+template <int kRows, int kVectors, bool kFull, bool kRequestAhead>
+C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, const float* row_step,
+                                                    const int8_t* const* value_rows, int64_t cols,
+                                                    int64_t dim, int64_t d0, float* o, int64_t ld_o,
+                                                    const SweepRequests<int8_t>& ahead,
+                                                    std::pair<int64_t, int64_t> share) {
+  static_assert(kVectors % 2 == 0, "32 columns per pair of vectors");
+  constexpr int kChunks = kVectors / 2;
+  __mmask32 columns[kChunks];  // valid columns of each 32
+  for (int h = 0; h < kChunks; ++h)
+    columns[h] = kFull ? ~__mmask32(0) : lanes_below<__mmask32>(dim - d0 - 32 * h);
+  // Word i of a pair vector: column i (first) or 16 + i (second) of both rows.
+  static constexpr auto kInterleave = [] {
+    std::array<int16_t, 64> order{};
+    for (int i = 0; i < 16; ++i) {
+      order[2 * i] = static_cast<int16_t>(i);
+      order[2 * i + 1] = static_cast<int16_t>(32 + i);
+      order[32 + 2 * i] = static_cast<int16_t>(16 + i);
+      order[32 + 2 * i + 1] = static_cast<int16_t>(48 + i);
+    }
+    return order;
+  }();
+  const __m512i first_half = _mm512_loadu_si512(kInterleave.data());
+  const __m512i second_half = _mm512_loadu_si512(kInterleave.data() + 32);
+  __m512i acc[kRows * kVectors];  // acc[r * kVectors + j]
+  unrolled<kRows * kVectors>([&](auto i)
+                                 C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_si512(); });
+  auto add_keys = [&](int64_t c, const int8_t* first,
+                      const int8_t* second) C10_ALWAYS_INLINE_ATTRIBUTE {
+    __m512i pairs[kVectors];
+    unrolled<kChunks>([&](auto h) C10_ALWAYS_INLINE_ATTRIBUTE {
+      const __m512i a =
+          _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns[h], first + d0 + 32 * h));
+      const __m512i b =
+          second == nullptr
+              ? _mm512_setzero_si512()
+              : _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns[h], second + d0 + 32 * h));
+      pairs[2 * h] = _mm512_permutex2var_epi16(a, first_half, b);
+      pairs[2 * h + 1] = _mm512_permutex2var_epi16(a, second_half, b);
+    });
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      int32_t word;  // P[r, c] and P[r, c + 1]
+      std::memcpy(&word, p_int16 + r * kKeyBlock + c, sizeof(word));
+      const __m512i weights = _mm512_set1_epi32(word);
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * kVectors + j] = add_int16_pair_dots(acc[r * kVectors + j], pairs[j], weights);
+      });
+    });
+  };
+  int64_t c = 0;
+  for (; c + 2 <= cols; c += 2) {
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], value_rows[c + 1]);
+  }
+  if (c < cols) {  // an odd last key: its pair's second weight is 0
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], nullptr);
+  }
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    const __mmask16 lanes = kFull ? __mmask16(0xFFFF) : lanes_below<__mmask16>(dim - d0 - 16 * j);
+    float* out = o + r * ld_o + d0 + 16 * j;
+    const __m512 sum = _mm512_cvtepi32_ps(acc[i]);
+    _mm512_mask_storeu_ps(
+        out, lanes,
+        _mm512_fmadd_ps(sum, _mm512_set1_ps(row_step[r]), _mm512_maskz_loadu_ps(lanes, out)));
+  });
+}
+
+// accumulate_values for PagedKernelTraits::kInt16Dots (all rows in one group: the AVX-512
+// class's value_group_rows), P as quantize_probabilities left it.
+template <int kRows>
+void accumulate_values_int16(const int16_t* p_int16, const float* row_step,
+                             const int8_t* const* value_rows, int64_t cols, int64_t dim, float* o,
+                             int64_t ld_o, const SweepRequests<int8_t>& next_keys) {
+  using Traits = PagedKernelTraits<int8_t>;
+  static_assert(Traits::value_group_rows(kRows) == kRows, "one group of rows");
+  constexpr int kVectors = Traits::value_vectors(kRows);
+  constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
+  const int64_t slice_width = kVectors * 16;
+  const int64_t sweeps = ceil_div(dim, slice_width);
+  auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
+    accumulate_value_slice_int16<kRows, kVectors, kFull, kRequestAhead>(
+        p_int16, row_step, value_rows, cols, dim, d0, o, ld_o, next_keys,
+        next_keys.share(d0 / slice_width, sweeps));
+  };
+  int64_t d0 = 0;
+  for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, d0);
+  if (d0 < dim) slice(std::false_type{}, d0);
+}
+#endif
+
 // Calls kernel(std::integral_constant<int, rows>) for rows in [1, kDirectRows].
 template <typename Kernel>
 void dispatch_direct_rows(int64_t rows, Kernel&& kernel) {
@@ -874,10 +1094,17 @@ template <typename scalar_t, typename acc_t>
 struct HeadState {
   acc_t* q;             // [rows, ld_d], pre-scaled
   scalar_t* q_raw;      // [rows, ld_d]: q's rows as given, for kScoreByBf16Dots
+  int16_t* q_int16;     // [rows, ld_d], the same memory: q's rows quantized (kInt16Dots)
+  acc_t* q_row_factor;  // [rows]: what the int16 dot products take to scores
   acc_t* o;             // [rows, ld_dv]
   acc_t* row_max_log2;  // [rows]
   acc_t* row_sum;       // [rows]
 };
+
+// How the direct path multiplies: fp32 FMAs (over the pre-scaled q), the score pass's bf16
+// dot products of PagedKernelTraits::kScoreByBf16Dots, or both passes' int16 dot products of
+// kInt16Dots.
+enum class DirectDots { kFloat, kBf16Pairs, kInt16Pairs };
 
 // How a call divides its work into tasks, and the scratch each thread needs for them. A task
 // is (sequence, group of kv heads, chunk of queries, key split), numbered in that order, the
@@ -913,10 +1140,10 @@ PagedCallPlan plan_paged_call(const PagedAttentionParams& p, const PagedTaskPlan
   plan.ld_d = round_up(p.head_dim, width);
   plan.ld_dv = round_up(p.head_dim_v, width);
   plan.head_state_size =
-      2 * plan.tile_rows * plan.ld_d + plan.tile_rows * plan.ld_dv + 2 * plan.tile_rows;
+      2 * plan.tile_rows * plan.ld_d + plan.tile_rows * plan.ld_dv + 3 * plan.tile_rows;
   plan.scratch_size = plan.heads_per_task * plan.head_state_size + p.head_dim * kKeyBlock +
                       kKeyBlock * plan.ld_dv + plan.tile_rows * kKeyBlock + kKeyBlock * p.head_dim +
-                      2 * kKeyBlock;
+                      2 * kKeyBlock + plan.tile_rows * kKeyBlock / 2 + plan.tile_rows;
   plan.tasks = p.batch * plan.head_groups * plan.q_chunks * plan.splits;
   return plan;
 }
@@ -934,6 +1161,8 @@ struct PagedScratch {
   acc_t* staging;       // [kKeyBlock, head_dim]
   acc_t* k_row_scales;  // [kKeyBlock]: an int8 cache's scales of the item's key rows
   acc_t* v_row_scales;  // [kKeyBlock]: and of its value rows
+  int16_t* p_int16;     // [tile_rows, kKeyBlock]: P quantized for kInt16Dots
+  acc_t* p_row_step;    // [tile_rows]: and the step of each of its rows
 
   PagedScratch(const PagedCallPlan& call, int64_t head_dim)
       : plan(call),
@@ -943,7 +1172,9 @@ struct PagedScratch {
         s_tile(v_tile + kKeyBlock * call.ld_dv),
         staging(s_tile + call.tile_rows * kKeyBlock),
         k_row_scales(staging + kKeyBlock * head_dim),
-        v_row_scales(k_row_scales + kKeyBlock) {}
+        v_row_scales(k_row_scales + kKeyBlock),
+        p_int16(reinterpret_cast<int16_t*>(v_row_scales + kKeyBlock)),
+        p_row_step(v_row_scales + kKeyBlock + call.tile_rows * kKeyBlock / 2) {}
 
   // The state of the task's i-th kv head.
   HeadState<scalar_t, acc_t> head(int64_t i) const {
@@ -951,9 +1182,11 @@ struct PagedScratch {
     HeadState<scalar_t, acc_t> state;
     state.q = base;
     state.q_raw = reinterpret_cast<scalar_t*>(base + plan.tile_rows * plan.ld_d);
+    state.q_int16 = reinterpret_cast<int16_t*>(base + plan.tile_rows * plan.ld_d);
     state.o = base + 2 * plan.tile_rows * plan.ld_d;
     state.row_max_log2 = state.o + plan.tile_rows * plan.ld_dv;
     state.row_sum = state.row_max_log2 + plan.tile_rows;
+    state.q_row_factor = state.row_sum + plan.tile_rows;
     return state;
   }
 };
@@ -1031,23 +1264,83 @@ double value_unit_factor(const PagedAttentionParams& p) {
   return static_cast<double>(p.v_scales.per_tensor) * kCacheUnit<cache_t>;
 }
 
-// Loads each of the task's kv heads' q rows (q_t) into its state, pre-scaled by the softmax
-// scale and key_unit_factor (in bf16 as given for kScoreByBf16Dots; in widen_bf16_pairs'
-// order where the task widens in pairs), and clears the heads' outputs and softmax states.
+// q's row r of the task's tile for kv head `kv_head`.
+template <typename q_t>
+const q_t* task_query_row(const PagedAttentionParams& p, const PagedTask& task, int64_t group,
+                          int64_t kv_head, int64_t r) {
+  return static_cast<const q_t*>(p.q) +
+         (task.q_begin + task.first_query + r / group) * p.q_strides.token +
+         (kv_head * group + r % group) * p.q_strides.head;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// For kInt16Dots: each of the task's q rows as integers on a power-of-two step, the largest
+// magnitude in [2^14, 2^15) steps (a bf16 or fp16 element there is a multiple of 16 steps, so
+// none rounds past 32767), and the factor that takes their dot products with the cached
+// integers to pre-scaled scores: step x the softmax scale x key_unit_factor. False, with
+// nothing to use, where a row holds an infinity or a NaN, which the fp32 path must propagate,
+// or is all below 2^-100 (a step whose inverse fp32 cannot hold).
 template <typename q_t, typename scalar_t, typename acc_t>
-void start_task(const PagedAttentionParams& p, const PagedTask& task,
-                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
-  const auto q_scale = static_cast<acc_t>(p.scale * key_unit_factor<scalar_t>(p));
-  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
+bool quantize_query_rows(const PagedAttentionParams& p, const PagedTask& task,
+                         const PagedScratch<scalar_t, acc_t>& scratch) {
+  const double q_scale = p.scale * key_unit_factor<scalar_t>(p);
+  const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, dim = p.head_dim;
   for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
     const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
     for (int64_t r = 0; r < task.rows; ++r) {
-      const q_t* q_row = static_cast<const q_t*>(p.q) +
-                         (task.q_begin + task.first_query + r / group) * p.q_strides.token +
-                         (kv_head * group + r % group) * p.q_strides.head;
+      const q_t* q_row = task_query_row<q_t>(p, task, group, kv_head, r);
+      __m512 largest = _mm512_setzero_ps();
+      __mmask16 unordered = 0;
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 x = load_as<float>(q_row + d, std::min<int64_t>(16, dim - d));
+        largest = _mm512_max_ps(largest, _mm512_abs_ps(x));
+        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      }
+      const float absmax = _mm512_reduce_max_ps(largest);
+      if (unordered != 0 || !std::isfinite(absmax)) return false;
+      int exponent = 0;  // absmax = m 2^exponent, m in [0.5, 1)
+      std::frexp(absmax, &exponent);
+      const int step_exponent = absmax > 0.f ? exponent - 15 : 0;
+      if (step_exponent < -115) return false;
+      const __m512 to_units = _mm512_set1_ps(std::ldexp(1.f, -step_exponent));  // exact
+      int16_t* units = state.q_int16 + r * ld_d;
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 x = load_as<float>(q_row + d, std::min<int64_t>(16, dim - d));
+        _mm256_mask_storeu_epi16(
+            units + d, lanes_below<__mmask16>(dim - d),
+            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_units))));
+      }
+      state.q_row_factor[r] = static_cast<acc_t>(std::ldexp(q_scale, step_exponent));
+    }
+  }
+  return true;
+}
+#endif
+
+// Loads each of the task's kv heads' q rows (q_t) into its state, pre-scaled by the softmax
+// scale and key_unit_factor (in bf16 as given for kScoreByBf16Dots, quantized for
+// kInt16Dots; in widen_bf16_pairs' order where the task widens in pairs), and clears
+// the heads' outputs and softmax states. Returns the dots the task scores with: `dots`, or
+// kFloat where q's rows cannot be quantized.
+template <typename q_t, typename scalar_t, typename acc_t>
+DirectDots start_task(const PagedAttentionParams& p, const PagedTask& task,
+                      const PagedScratch<scalar_t, acc_t>& scratch, DirectDots dots) {
+  const auto q_scale = static_cast<acc_t>(p.scale * key_unit_factor<scalar_t>(p));
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
+  if (!task.direct) dots = DirectDots::kFloat;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (PagedKernelTraits<scalar_t>::kInt16Dots) {
+    if (dots == DirectDots::kInt16Pairs && !quantize_query_rows<q_t>(p, task, scratch))
+      dots = DirectDots::kFloat;
+  }
+#endif
+  for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
+    const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
+    for (int64_t r = 0; r < task.rows && dots != DirectDots::kInt16Pairs; ++r) {
+      const q_t* q_row = task_query_row<q_t>(p, task, group, kv_head, r);
       if constexpr (std::is_same_v<q_t, scalar_t>) {  // bf16 dots score a bf16 q and cache
-        if (bf16_dots && task.direct) {
+        if (dots == DirectDots::kBf16Pairs) {
           std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
           continue;
         }
@@ -1059,6 +1352,7 @@ void start_task(const PagedAttentionParams& p, const PagedTask& task,
     std::fill(state.row_max_log2, state.row_max_log2 + task.rows, kMinusInf);
     std::fill(state.row_sum, state.row_sum + task.rows, acc_t(0));
   }
+  return dots;
 }
 
 // Which cached rows a task requests ahead of their use, and when. The direct path requests
@@ -1197,14 +1491,21 @@ void modify_and_mask_scores(const PagedAttentionParams& p, const PagedTask& task
 template <typename scalar_t, typename acc_t>
 void score_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
                 const HeadState<scalar_t, acc_t>& state, const PrefetchSchedule<scalar_t>& schedule,
-                const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+                const PagedScratch<scalar_t, acc_t>& scratch, DirectDots dots) {
   const int64_t rows = task.rows, cols = item.cols, ld_d = scratch.plan.ld_d;
   acc_t* s_tile = scratch.s_tile;  // [rows, kKeyBlock]
   if (task.direct) {
     // S = Q K^T from the cached key rows: no K^T tile to build.
     dispatch_direct_rows(rows, [&](auto kRows) {
+      if constexpr (PagedKernelTraits<scalar_t>::kInt16Dots) {
+        if (dots == DirectDots::kInt16Pairs) {
+          return score_tile<kRows>(state.q_int16, ld_d, acc_t(1), schedule.k_rows,
+                                   schedule.value_requests, schedule.values_requested, cols,
+                                   p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
+        }
+      }
       if constexpr (PagedKernelTraits<scalar_t>::kScoreByBf16Dots) {
-        if (bf16_dots) {
+        if (dots == DirectDots::kBf16Pairs) {
           return score_tile<kRows>(state.q_raw, ld_d, static_cast<acc_t>(p.scale), schedule.k_rows,
                                    schedule.value_requests, schedule.values_requested, cols,
                                    p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
@@ -1225,7 +1526,12 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
   if (row_scales) {  // dequantize the keys in the scores: s = scale_k[c] (q . k_int8[c])
     cache_row_scales(p.k_scales, task.block_table, p.block_size, item.kv_head, item.key0, cols,
                      scratch.k_row_scales);
-    scale_columns(s_tile, kKeyBlock, rows, cols, scratch.k_row_scales);
+    if (dots == DirectDots::kInt16Pairs) {  // and q's: s = scale_q[r] scale_k[c] (q_int16 . k_int8)
+      scale_rows_and_columns(s_tile, kKeyBlock, rows, cols, state.q_row_factor,
+                             scratch.k_row_scales);
+    } else {
+      scale_columns(s_tile, kKeyBlock, rows, cols, scratch.k_row_scales);
+    }
   }
   modify_and_mask_scores(p, task, item, scratch.plan.group, s_tile);
   online_softmax_tile(s_tile, kKeyBlock, rows, cols, state.row_max_log2, state.row_sum, state.o,
@@ -1245,8 +1551,20 @@ template <typename scalar_t, typename acc_t>
 void value_pass(const PagedAttentionParams& p, const PagedTask& task, const WorkItem& item,
                 const HeadState<scalar_t, acc_t>& state, const TileRows<scalar_t>& values,
                 const SweepRequests<scalar_t>& next_keys,
-                const PagedScratch<scalar_t, acc_t>& scratch) {
+                const PagedScratch<scalar_t, acc_t>& scratch, DirectDots dots) {
   const int64_t cols = item.cols, ld_dv = scratch.plan.ld_dv;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (PagedKernelTraits<scalar_t>::kInt16Dots) {
+    if (dots == DirectDots::kInt16Pairs &&
+        quantize_probabilities(scratch.s_tile, task.rows, cols, scratch.p_int16,
+                               scratch.p_row_step)) {
+      return dispatch_direct_rows(task.rows, [&](auto kRows) {
+        accumulate_values_int16<kRows>(scratch.p_int16, scratch.p_row_step, values.rows, cols,
+                                       p.head_dim_v, state.o, ld_dv, next_keys);
+      });
+    }
+  }
+#endif
   if (task.direct) {
     // O += P V, the cached value rows read in place.
     dispatch_direct_rows(task.rows, [&](auto kRows) {
@@ -1265,7 +1583,7 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
 // prefetch schedule's listing and requests before each.
 template <typename scalar_t, typename acc_t>
 void run_task_items(const PagedAttentionParams& p, const PagedTask& task,
-                    const PagedScratch<scalar_t, acc_t>& scratch, bool bf16_dots) {
+                    const PagedScratch<scalar_t, acc_t>& scratch, DirectDots dots) {
   PrefetchSchedule<scalar_t> schedule(p, task);
   const WorkItem first = task.first_item();
   for (WorkItem item = first; item.cols > 0;) {
@@ -1273,8 +1591,9 @@ void run_task_items(const PagedAttentionParams& p, const PagedTask& task,
     const bool is_first = item.key0 == first.key0 && item.kv_head == first.kv_head;
     const HeadState<scalar_t, acc_t> state = scratch.head(item.kv_head - task.head_begin);
     schedule.start_item(item, next, is_first);
-    score_pass(p, task, item, state, schedule, scratch, bf16_dots);
-    value_pass(p, task, item, state, schedule.v_rows, schedule.keys_for_value_pass(next), scratch);
+    score_pass(p, task, item, state, schedule, scratch, dots);
+    value_pass(p, task, item, state, schedule.v_rows, schedule.keys_for_value_pass(next), scratch,
+               dots);
     item = next;
   }
 }
@@ -1384,18 +1703,20 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
   using Traits = PagedKernelTraits<scalar_t>;
   using acc_t = typename Traits::acc_t;
   const PagedCallPlan plan = plan_paged_call<acc_t>(p, tasks);
+  DirectDots dots = DirectDots::kFloat;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dots = Traits::kScoreByBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16;
-#else
-  constexpr bool bf16_dots = false;
+  if (Traits::kScoreByBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16)
+    dots = DirectDots::kBf16Pairs;
+  if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_bf16_enabled())
+    dots = DirectDots::kInt16Pairs;
 #endif
   parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
     for (int64_t index = begin; index < end; ++index) {
       const PagedTask task = plan_task<scalar_t>(p, plan, index);
       if (task.rows == 0) continue;
-      start_task<q_t>(p, task, scratch, bf16_dots);
-      run_task_items(p, task, scratch, bf16_dots);
+      const DirectDots task_dots = start_task<q_t>(p, task, scratch, dots);
+      run_task_items(p, task, scratch, task_dots);
       finish_task<q_t>(p, task, scratch);
     }
   });
