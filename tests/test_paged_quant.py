@@ -355,6 +355,31 @@ def test_int8_attention_non_finite_and_tiny_inputs(dtype):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_int8_attention_largest_integer_sums(dtype):
+    # Head dim 256, every q element at the top of its row's 16-bit range (1.99: about 32600
+    # steps) and every code at +-127; kv head 0's keys and queries all positive, so that its
+    # scores are kInt16Dots' largest int32 sums (256 x 32640 x 127, about 2^30).
+    heads, kv_heads, head_dim = 8, 2, 256
+    q, k_cache, v_cache, index, scales = build_quantized(
+        "int8", [70, 130], [1, 1], heads, kv_heads, head_dim, 16, dtype
+    )
+    signs = torch.randn(q.shape, generator=seeded_generator(5)).sign()
+    signs[:, : heads // kv_heads] = 1.0
+    q = (1.99 * signs).to(dtype)
+    k_cache.copy_(torch.where(k_cache >= 0, 127, -127).to(torch.int8))
+    k_cache[:, 0] = 127
+    v_cache.copy_(torch.where(v_cache >= 0, 127, -127).to(torch.int8))
+    for name in ("k_scales", "v_scales"):
+        scales[name][scales[name].isfinite()] = 0.01
+    out, lse = mha_ext.paged_attention(q, k_cache, v_cache, *index, return_lse=True, **scales)
+    k64, v64 = dequantized(k_cache, scales, "k"), dequantized(v_cache, scales, "v")
+    ref, ref_lse = paged_attention_reference(q.double(), k64, v64, *index)
+    plain, _ = paged_attention_reference(q, k64.to(dtype), v64.to(dtype), *index)
+    assert_within_rule(out, ref, plain, OUTPUT_FACTOR, "output")
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_argument_errors():
     q, k_cache, v_cache, index, scales = build_quantized(
         "int8", [20], [1], 4, 2, 32, 8, torch.float32

@@ -576,8 +576,9 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
 }
 
 // acc + the dot products of a's and b's int16 pairs, one per int32 lane (VPDPWSSD, wrapping;
-// the int16 q rows and int8 keys of kInt16Dots sum to at most 2^22 per pair). Assembly
-// for the same reason; it runs only where avx512_bf16_enabled(), whose CPUs have AVX512-VNNI.
+// kInt16Dots' int16 q rows and int8 keys sum to at most 2^23 per pair, under 2^31 over the
+// op's largest head_dim, 256). Assembly for the same reason; it runs only where
+// avx512_bf16_enabled(), whose CPUs have AVX512-VNNI.
 C10_ALWAYS_INLINE __m512i add_int16_pair_dots(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
