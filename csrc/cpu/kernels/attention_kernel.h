@@ -626,9 +626,17 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int6
 // 4096`): against torch SDPA 0.91-1.03x -> 1.13-1.39x non-causal and 1.08-1.15x -> 1.31-1.55x
 // causal; S 128-512 no slower. (An earlier kernel, before the shared K/V tiles and the
 // sub-blocks' shared brgemm calls, had run causal attention 0.85x with them there.)
+// Up to head_dim 64, 256-key tiles: a score's products there are half as many, so the calls'
+// fixed costs weigh twice as much (Xeon model 207, the forward suite's gpt2-small heads,
+// bf16, alternating runs of `python -m mha_ext.bench --suite forward --models gpt2-small
+// --dtype bfloat16 --seq 128 512 1024 4096`: 945-983 -> 1123-1185 GFLOP/s at S 1024, causal
+// 679-690 -> 731-813; S 512 861-871 -> 956-986, S 4096 1278-1282 -> 1443-1468; S 128 the
+// same). 512-key tiles ran 0.8x of 256 at head_dim 64, and 256 no faster at head_dim 128
+// (llama2-70b S 1024: 1556-1594 against 1608-1620 GFLOP/s, causal 997-1029 against
+// 1003-1090).
 inline int64_t bf16_key_tile(int64_t head_dim) {
-  static_assert(kMaxBf16KeyTile == 128, "kv_pairs_size sizes the workspace for these tiles");
-  return head_dim <= 128 ? 128 : 64;
+  static_assert(kMaxBf16KeyTile == 256, "kv_pairs_size sizes the workspace for these tiles");
+  return head_dim <= 64 ? 256 : head_dim <= 128 ? 128 : 64;
 }
 
 // Layout of a packed key tile, and of the kv_pairs workspace, which holds one per (batch, kv

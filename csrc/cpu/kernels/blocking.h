@@ -74,7 +74,7 @@ struct AttentionWorkspaces {
 };
 
 // Most keys per tile of the bf16 forward (bf16_key_tile in attention_kernel.h).
-constexpr int64_t kMaxBf16KeyTile = 128;
+constexpr int64_t kMaxBf16KeyTile = 256;
 
 // Values of q's dtype in the bf16 forward's workspace AttentionWorkspaces::kv_pairs: room for
 // every key tile's K and V of each (batch, kv head), in brgemm's pair layout.
