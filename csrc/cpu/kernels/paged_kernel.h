@@ -671,52 +671,46 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
                                   const RowRequests<scalar_t>& requests) {
   using Traits = PagedKernelTraits<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<q_t, int16_t>) {  // int16 q, int8 keys: kInt16Dots
-    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kInt16Dots,
-                  "int16 dot products");
-    __m512i acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
-    unrolled<kKeys * kRows>([&](auto i)
-                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_si512(); });
+  if constexpr (!std::is_same_v<q_t, acc_t>) {
+    // Dot products of pairs, one instruction for 32 elements of a row: int16 q and int8 keys
+    // (kInt16Dots) into int32 lanes, or bf16 q and keys (kScoreByBf16Dots) into fp32 lanes.
+    constexpr bool kInt16 = std::is_same_v<q_t, int16_t>;
+    static_assert(kRequests == ScoreLoopRequests::kNone &&
+                      (kInt16 ? Traits::kInt16Dots : Traits::kScoreByBf16Dots),
+                  "pair dot products");
+    using Sums = std::conditional_t<kInt16, __m512i, at::vec::Vectorized<float>>;
+    Sums acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
+    unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+      if constexpr (kInt16) {
+        acc[i] = _mm512_setzero_si512();
+      } else {
+        acc[i] = _mm512_setzero_ps();
+      }
+    });
     // 32 elements from d on, the lanes outside `lanes` zero (and not read).
     auto step = [&](int64_t d, __mmask32 lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
       __m512i k[kKeys];
       unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        k[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d));
+        if constexpr (kInt16) {
+          k[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d));
+        } else {
+          k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d);
+        }
       });
       unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
         const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
         unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-          acc[j * kRows + r] = add_int16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+          if constexpr (kInt16) {
+            acc[j * kRows + r] = add_int16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+          } else {
+            acc[j * kRows + r] = add_bf16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+          }
         });
       });
     };
     int64_t d = 0;
     for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
     if (d < dim) step(d, lanes_below<__mmask32>(dim - d));
-    store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
-    return;
-  } else if constexpr (!std::is_same_v<q_t, acc_t>) {  // bf16 q and keys: kScoreByBf16Dots
-    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kScoreByBf16Dots,
-                  "bf16 dot products");
-    at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
-    unrolled<kKeys * kRows>([&](auto i)
-                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_ps(); });
-    // 32 elements from d on, the lanes outside `lanes` zero (and not read).
-    auto step = [&](int64_t d, __mmask32 lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
-      __m512i k[kKeys];
-      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d);
-      });
-      unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-        const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
-        unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-          acc[j * kRows + r] = add_bf16_pair_dots(acc[j * kRows + r], q_r, k[j]);
-        });
-      });
-    };
-    int64_t d = 0;
-    for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
-    if (d < dim) step(d, static_cast<__mmask32>((uint64_t(1) << (dim - d)) - 1));
     store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
     return;
   }
@@ -941,6 +935,20 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The largest magnitude of row[0, count) in fp32 (row: fp32, bf16 or fp16), NaN where the row
+// holds a NaN, for kInt16Dots' integer steps.
+template <typename in_t>
+float largest_magnitude(const in_t* row, int64_t count) {
+  __m512 largest = _mm512_setzero_ps();
+  __mmask16 unordered = 0;
+  for (int64_t c = 0; c < count; c += 16) {
+    const __m512 x = load_as<float>(row + c, std::min<int64_t>(16, count - c));
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(x));
+    unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  }
+  return unordered != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(largest);
+}
+
 // For PagedKernelTraits::kInt16Dots: P's rows (the value scales folded in, s_tile [rows,
 // kKeyBlock]) as int16 on a step of the row's largest / 32767, p_int16 [rows, kKeyBlock] (zero
 // past cols, up to the next 16), and the steps in row_step [rows]. False, with p_int16 unused,
@@ -950,15 +958,8 @@ inline bool quantize_probabilities(const float* s_tile, int64_t rows, int64_t co
                                    int16_t* p_int16, float* row_step) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* probs = s_tile + r * kKeyBlock;
-    __m512 largest = _mm512_setzero_ps();
-    __mmask16 unordered = 0;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(lanes_below<__mmask16>(cols - c), probs + c);
-      largest = _mm512_max_ps(largest, x);
-      unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    }
-    const float row_max = _mm512_reduce_max_ps(largest);
-    if (unordered != 0 || !std::isfinite(row_max)) return false;
+    const float row_max = largest_magnitude(probs, cols);  // P >= 0
+    if (!std::isfinite(row_max)) return false;
     row_step[r] = row_max / 32767.f;
     const __m512 to_units = _mm512_set1_ps(row_max > 0.f ? 32767.f / row_max : 0.f);
     int16_t* units = p_int16 + r * kKeyBlock;
@@ -1290,15 +1291,8 @@ bool quantize_query_rows(const PagedAttentionParams& p, const PagedTask& task,
     const HeadState<scalar_t, acc_t> state = scratch.head(kv_head - task.head_begin);
     for (int64_t r = 0; r < task.rows; ++r) {
       const q_t* q_row = task_query_row<q_t>(p, task, group, kv_head, r);
-      __m512 largest = _mm512_setzero_ps();
-      __mmask16 unordered = 0;
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 x = load_as<float>(q_row + d, std::min<int64_t>(16, dim - d));
-        largest = _mm512_max_ps(largest, _mm512_abs_ps(x));
-        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      }
-      const float absmax = _mm512_reduce_max_ps(largest);
-      if (unordered != 0 || !std::isfinite(absmax)) return false;
+      const float absmax = largest_magnitude(q_row, dim);
+      if (!std::isfinite(absmax)) return false;
       int exponent = 0;  // absmax = m 2^exponent, m in [0.5, 1)
       std::frexp(absmax, &exponent);
       const int step_exponent = absmax > 0.f ? exponent - 15 : 0;
