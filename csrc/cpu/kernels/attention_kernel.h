@@ -633,7 +633,8 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t src_stride, int6
 // 679-690 -> 731-813; S 512 861-871 -> 956-986, S 4096 1278-1282 -> 1443-1468; S 128 the
 // same). 512-key tiles ran 0.8x of 256 at head_dim 64, and 256 no faster at head_dim 128
 // (llama2-70b S 1024: 1556-1594 against 1608-1620 GFLOP/s, causal 997-1029 against
-// 1003-1090).
+// 1003-1090). On Xeon model 167, 128- and 256-key tiles read alike at head_dim 64 (the same
+// suite, two alternating pairs: 819-826 against 826-862 GFLOP/s at S 1024).
 inline int64_t bf16_key_tile(int64_t head_dim) {
   static_assert(kMaxBf16KeyTile == 256, "kv_pairs_size sizes the workspace for these tiles");
   return head_dim <= 64 ? 256 : head_dim <= 128 ? 128 : 64;
