@@ -314,6 +314,48 @@ def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype):
     check_quantized_attention(fmt, lengths, queries, 8, 1, 40, 16, dtype, arguments)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_every_decode_group_at_model_head_dims(fmt, head_dim):
+    # The head dims of real models (whole vectors, the direct path's unmasked steps), decode
+    # tiles of 1 to 8 rows: the value pass's slices of 4 vectors (up to 6 rows) and of 2.
+    for group in range(1, 9):
+        dtype = QUERY_DTYPES[group % 3]
+        check_quantized_attention(
+            fmt, [5, 70, 130], [1, 1, 1], 2 * group, 2, head_dim, 16, dtype, {}
+        )
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fp8_attention_reads_every_code(group):
+    # Every e4m3 code but the two NaNs, subnormals and both zeros included, at many columns
+    # of a head dim of 128: with one cached token per sequence, a row's output is that
+    # token's value row times v_scale and its logsumexp the token's score, to fp32's rounding
+    # (the softmax's weight of the one key is 1 to within an ulp), where a code read wrong is
+    # off by an eighth of its value or more.
+    head_dim, sequences = 128, 64
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    rows = torch.stack([codes.roll(-7 * s)[:head_dim] for s in range(sequences)])
+    k_cache, v_cache, scales = new_cache("fp8", sequences, 1, 16, head_dim)
+    k_cache.view(torch.uint8)[:, 0, 0] = rows.flip(-1).to(torch.uint8)
+    v_cache.view(torch.uint8)[:, 0, 0] = rows.to(torch.uint8)
+    tables = torch.arange(sequences, dtype=torch.int32).view(sequences, 1)
+    lengths = torch.ones(sequences, dtype=torch.int32)
+    cu = torch.arange(sequences + 1, dtype=torch.int32)
+    q = torch.randn(sequences, group, head_dim, generator=seeded_generator(3))
+    out, lse = mha_ext.paged_attention(
+        q, k_cache, v_cache, tables, lengths, cu, return_lse=True, **scales
+    )
+    k64, v64 = dequantized(k_cache, scales, "k"), dequantized(v_cache, scales, "v")
+    values = v64[:, 0, 0].unsqueeze(1).expand(-1, group, -1)
+    torch.testing.assert_close(out.double(), values, rtol=1e-6, atol=0)
+    terms = q.double() * k64[:, 0, 0].unsqueeze(1) / head_dim**0.5
+    # The fp32 dot product's rounding, relative to its terms' magnitudes (the keys' codes
+    # reach 448 x k_scale, and their terms cancel).
+    assert ((lse.double() - terms.sum(-1)).abs() <= 4e-6 * terms.abs().sum(-1)).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_attention_key_splits(fmt):
     # At 4 threads one sequence's tasks leave threads idle and its keys split; the sinks
