@@ -241,10 +241,12 @@ def build_quantized(
 
 def scores_on_int16_queries(fmt, dtype):
     """Whether paged_attention scores q's rows rounded to 16-bit integers
-    (PagedKernelTraits::kInt16Dots): a bf16 or fp16 q over an int8 cache on the AVX-512 CPUs
-    with VNNI, the levels avx512_bf16 and avx512_amx."""
+    (PagedKernelTraits::kInt16Dots): a bf16 or fp16 q over an int8 cache at the levels avx2,
+    avx512_bf16 and avx512_amx (the avx512 level keeps fp32 FMAs)."""
     active = mha_ext.build_info()["cpu_isa"]
-    return fmt == "int8" and dtype != torch.float32 and active in ("avx512_bf16", "avx512_amx")
+    return (
+        fmt == "int8" and dtype != torch.float32 and active in ("avx2", "avx512_bf16", "avx512_amx")
+    )
 
 
 def int16_query_rows(q):
@@ -303,15 +305,18 @@ def test_attention_block_sizes_and_groups(fmt, block_size, heads):
     check_quantized_attention(fmt, lengths, queries, *heads, 48, block_size, torch.float32, {})
 
 
+@pytest.mark.parametrize("head_dim", [40, 44])
 @pytest.mark.parametrize("dtype", QUERY_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype):
+def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype, head_dim):
     # Chunks of 1..9 queries of one kv head: each direct-path row count and the gathered
-    # path, head dim 40 (a ragged last vector), every score feature on.
+    # path, every score feature on, head dims with a ragged last vector: 40 on AVX-512 (and
+    # AVX2's int16 scores, 16 elements a step), 44 on every ISA (and AVX2's int16 values, 8
+    # columns a step, leave 4 columns over).
     queries = list(range(1, 10))
     lengths = [q + 90 for q in queries]
     arguments = feature_arguments("all", 8, len(lengths))
-    check_quantized_attention(fmt, lengths, queries, 8, 1, 40, 16, dtype, arguments)
+    check_quantized_attention(fmt, lengths, queries, 8, 1, head_dim, 16, dtype, arguments)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -462,8 +467,11 @@ def test_quantized_ops_opcheck():
 
 # ---------------------------------------------------------------- forced ISAs
 
-# Every direct-path row count and the gathered path, all features on, under each ISA build.
-FORCED_ISA_SELECTION = "every_direct_row_count or append_writes_exactly"
+# Every direct-path row count and the gathered path, all features on, the decode groups at
+# model head dims, and the integer path's edges (int8_attention), under each ISA build.
+FORCED_ISA_SELECTION = (
+    "every_direct_row_count or every_decode_group or int8_attention or append_writes_exactly"
+)
 
 
 @pytest.mark.cpu_only

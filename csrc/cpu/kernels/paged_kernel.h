@@ -199,29 +199,38 @@ struct PagedKernelTraits {
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
 
   // Whether the direct path multiplies an int8 cache in integers, for a bf16 or fp16 q: in
-  // both passes AVX512-VNNI dot products of int16 pairs (VPDPWSSD), one instruction for 32
-  // elements of one row, where converting 16 cached elements to fp32 took two and then an FMA
-  // per row, on the two ports that the FMAs share. The scores take q's rows rounded to
-  // integers on a power-of-two step (quantize_query_rows: exact for a bf16 element within 8
+  // both passes dot products of int16 pairs, on AVX-512 AVX512-VNNI's VPDPWSSD, one
+  // instruction for 32 elements of one row, where converting 16 cached elements to fp32 took
+  // two and then an FMA per row, on the two ports that the FMAs share; on AVX2 VPMADDWD and
+  // VPADDD for 16 elements, as many instructions per product as the FMAs, but one widening
+  // per 16 cached elements where the conversion to fp32 took four. The scores take q's rows rounded
+  // to integers on a power-of-two step (quantize_query_rows: exact for a bf16 element within 8
   // binades of the row's largest, an fp16 within 5, any other within 2^-15 of the largest);
   // the values take P's rows (the value scales folded in) rounded to integers on a step of
   // the row's largest weight in the work item / 32767 (quantize_probabilities): finer than
   // the bf16 P of GPU FlashAttention for every weight above 1/128 of that largest. Both stay
   // far below the int8 format's own error (README: the kernel's error is the simulated
   // format's, q in bf16 or fp32 alike), and the outputs within the accuracy rule of their
-  // dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as do the avx512 level
-  // and AVX2. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
-  // AVX512-VNNI there).
+  // dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as does the avx512
+  // level. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
+  // AVX512-VNNI there), and the AVX2 class.
   // Xeon model 207 (AMX class), bf16 q, B8 32q/8kv D128 context 4096 from memory, four
   // pairs of suite runs alternating MHA_EXT_CPU_ISA=avx512 (the fp32 FMAs of the same build):
   // 1.46-1.53x -> 1.55-1.62x the bf16 cache's tokens/s; one thread from L2 (context 128):
   // 1.11-1.12x -> 1.34-1.39x.
+  // AVX2, measured at MHA_EXT_CPU_ISA=avx2 on Xeon model 167 (no AVX2-only CPU measured
+  // yet), bf16 q, B8 32q/8kv D128, one thread, builds alternated: the cache in L3 (context
+  // 512, a harness calling paged_attention) 40-41 -> 31-32 ns per key and kv head (8q/8kv
+  // 21-22 -> 16, 64q/8kv 68 -> 56); from memory, OMP_NUM_THREADS=1 python
+  // benchmarks/kv_cache_speed.py --rounds 5 --clock cpu --formats bf16 int8 --flat-contexts
+  // 0 0, 1.12-1.13x -> 1.33-1.37x the bf16 cache's tokens/s (720 -> 860); the suite below,
+  // on one thread or two, read the same with either build (1.31-1.37x).
   // Check: python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16
   // --kv-cache-dtype int8 --kv-cache-only (and OMP_NUM_THREADS=1 python
   // benchmarks/kv_cache_speed.py --in-cache --context 128 --formats bf16 int8), with
-  // MHA_EXT_CPU_ISA=avx512 and without
+  // MHA_EXT_CPU_ISA=avx512 and without; on AVX2, against the previous build
   static constexpr bool kInt16Dots =
-      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, int8_t>;
+      kIsaClass != IsaClass::kPortable && std::is_same_v<scalar_t, int8_t>;
 
   // Keys scored together by the direct path for `rows` rows. AVX-512 class (Zen 5): enough
   // that their rows x keys dot products share one reduction tree: 16 for 2, 4 or 8 rows
@@ -231,13 +240,21 @@ struct PagedKernelTraits {
   // (Zen 1): one, as more accumulators and keys would not fit 16 registers (and two keys of
   // an fp32 cache at a time for 4 rows, which fit, decoded 5-15% faster from L2 but 10-20%
   // slower from memory, with the row requests before each step or spread through its loop
-  // alike).
+  // alike); for int16_dots (kInt16Dots, whose keys are widened once, 16 elements to a
+  // register), 4 or 2 keys where their accumulators and one register per key and one for q
+  // fit: 32q/8kv from memory, one thread, at MHA_EXT_CPU_ISA=avx2 on Xeon model 167,
+  // kv_cache_speed.py (as for kInt16Dots) two alternating pairs, 824-835 -> 844-846 tokens/s.
   // Check: paged_bench 'paged_decode/batch:8/' (from memory) and OMP_NUM_THREADS=1
   // build/cmake/paged_bench --shape=1,64,8,128,128,0,16 (8 rows, 1 MiB of fp32 K/V)
-  static constexpr int keys_per_step(int rows) {
+  static constexpr int keys_per_step(int rows, bool int16_dots = false) {
     if constexpr (kIsaClass == IsaClass::kAvx512) {
       return rows > 1 && 16 % rows == 0 ? 16 / rows : rows <= 8 ? 8 / rows : 1;
     } else {
+      if (int16_dots) {
+        for (int keys : {4, 2}) {
+          if (keys * (rows + 1) + 1 <= kVectorRegisters) return keys;
+        }
+      }
       return 1;
     }
   }
@@ -285,6 +302,12 @@ struct PagedKernelTraits {
   // Check: paged_bench 'paged_decode/batch:8/heads:(32|64)/kv_heads:8/'
   static constexpr int value_vectors(int rows) {
     return rows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
+  }
+
+  // value_vectors for the int16 value pass (kInt16Dots), whose key pairs take a vector per O
+  // vector: on AVX2 8 rows x 2 vectors would not fit, and take one.
+  static constexpr int int16_value_vectors(int rows) {
+    return rows * 2 + 2 + 1 <= kVectorRegisters ? value_vectors(rows) : 1;
   }
 };
 
@@ -591,6 +614,13 @@ C10_ALWAYS_INLINE mask_t lanes_below(int64_t n) {
   if (n >= kLanes) return static_cast<mask_t>(~uint64_t(0));
   return n <= 0 ? mask_t(0) : static_cast<mask_t>((uint64_t(1) << n) - 1);
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX-512's add_int16_pair_dots for AVX2 CPUs, which have no VNNI: VPMADDWD, then VPADDD.
+// Within the same bounds the pair sums fit their int32 lanes (VPMADDWD wraps only for two
+// pairs of -32768, which kInt16Dots' q rows and P rows never hold).
+C10_ALWAYS_INLINE __m256i add_int16_pair_dots(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
 #endif
 
 // What a one-key score step requests while it walks its key row: nothing, the value row of
@@ -712,6 +742,39 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
     for (; d + 32 <= dim; d += 32) step(d, ~__mmask32(0));
     if (d < dim) step(d, lanes_below<__mmask32>(dim - d));
     store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<q_t, int16_t>) {
+    // int16 q and int8 keys (kInt16Dots), 16 elements of a row per step into int32 lanes; the
+    // elements past the last whole 16 in scalars, as the FMA path's.
+    static_assert(kRequests == ScoreLoopRequests::kNone && Traits::kInt16Dots, "pair dot products");
+    __m256i acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
+    unrolled<kKeys * kRows>([&](auto i)
+                                C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm256_setzero_si256(); });
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      __m256i k[kKeys];
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        k[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys[j] + d)));
+      });
+      unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const __m256i q_r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ld_q + d));
+        unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          acc[j * kRows + r] = add_int16_pair_dots(acc[j * kRows + r], q_r, k[j]);
+        });
+      });
+    }
+    at::vec::Vectorized<float> sums[kKeys * kRows];
+    unrolled<kKeys * kRows>(
+        [&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { sums[i] = _mm256_cvtepi32_ps(acc[i]); });
+    store_dot_products<kRows, kKeys>(sums, scale, scores, ld_s);
+    for (; d < dim; ++d) {
+      for (int j = 0; j < kKeys; ++j) {
+        for (int r = 0; r < kRows; ++r)
+          scores[r * ld_s + j] += scale * static_cast<acc_t>(q[r * ld_q + d] * keys[j][d]);
+      }
+    }
     return;
   }
 #endif
@@ -836,7 +899,7 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
     score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s,
                                         requests);
   };
-  constexpr int kKeys = Traits::keys_per_step(kRows);
+  constexpr int kKeys = Traits::keys_per_step(kRows, std::is_same_v<q_t, int16_t>);
   int64_t c = 0;
   for (; c + kKeys <= cols; c += kKeys) score(std::integral_constant<int, kKeys>{}, c);
   for (; c < cols; ++c) score(std::integral_constant<int, 1>{}, c);
@@ -934,44 +997,83 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
   if (d0 < dim) slice(std::false_type{}, d0);
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // The largest magnitude of row[0, count) in fp32 (row: fp32, bf16 or fp16), NaN where the row
 // holds a NaN, for kInt16Dots' integer steps.
 template <typename in_t>
 float largest_magnitude(const in_t* row, int64_t count) {
+  constexpr int64_t kWidth = at::vec::Vectorized<float>::size();
+#if defined(CPU_CAPABILITY_AVX512)
   __m512 largest = _mm512_setzero_ps();
   __mmask16 unordered = 0;
-  for (int64_t c = 0; c < count; c += 16) {
-    const __m512 x = load_as<float>(row + c, std::min<int64_t>(16, count - c));
+  for (int64_t c = 0; c < count; c += kWidth) {
+    const __m512 x = load_as<float>(row + c, std::min<int64_t>(kWidth, count - c));
     largest = _mm512_max_ps(largest, _mm512_abs_ps(x));
     unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   }
   return unordered != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(largest);
+#else
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 largest = _mm256_setzero_ps();
+  __m256 unordered = _mm256_setzero_ps();
+  for (int64_t c = 0; c < count; c += kWidth) {
+    const __m256 x = load_as<float>(row + c, std::min<int64_t>(kWidth, count - c));
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, x));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(unordered) != 0) return std::numeric_limits<float>::quiet_NaN();
+  float lanes[kWidth];
+  _mm256_storeu_ps(lanes, largest);
+  return *std::max_element(lanes, lanes + kWidth);
+#endif
+}
+
+// dst[0, count) = x's first count lanes rounded to the nearest integer, saturated to int16
+// (count at most the vector's width).
+C10_ALWAYS_INLINE void store_int16_units(at::vec::Vectorized<float> x, int64_t count,
+                                         int16_t* dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_mask_storeu_epi16(dst, lanes_below<__mmask16>(count),
+                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+#else
+  const __m256i words = _mm256_cvtps_epi32(x);
+  const __m128i units =
+      _mm_packs_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  if (count == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), units);
+  } else {
+    int16_t lanes[8];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), units);
+    std::copy(lanes, lanes + count, dst);
+  }
+#endif
 }
 
 // For PagedKernelTraits::kInt16Dots: P's rows (the value scales folded in, s_tile [rows,
 // kKeyBlock]) as int16 on a step of the row's largest / 32767, p_int16 [rows, kKeyBlock] (zero
-// past cols, up to the next 16), and the steps in row_step [rows]. False, with p_int16 unused,
-// where a row holds a NaN or an infinity (a NaN or infinite scale), which the fp32 value pass
-// must propagate.
+// past cols, up to the next vector), and the steps in row_step [rows]. False, with p_int16
+// unused, where a row holds a NaN or an infinity (a NaN or infinite scale), which the fp32
+// value pass must propagate.
 inline bool quantize_probabilities(const float* s_tile, int64_t rows, int64_t cols,
                                    int16_t* p_int16, float* row_step) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t kWidth = Vec::size();
   for (int64_t r = 0; r < rows; ++r) {
     const float* probs = s_tile + r * kKeyBlock;
     const float row_max = largest_magnitude(probs, cols);  // P >= 0
     if (!std::isfinite(row_max)) return false;
     row_step[r] = row_max / 32767.f;
-    const __m512 to_units = _mm512_set1_ps(row_max > 0.f ? 32767.f / row_max : 0.f);
+    const Vec to_units(row_max > 0.f ? 32767.f / row_max : 0.f);
     int16_t* units = p_int16 + r * kKeyBlock;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(lanes_below<__mmask16>(cols - c), probs + c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(units + c),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_units))));
+    for (int64_t c = 0; c < cols; c += kWidth) {
+      const Vec x = Vec::loadu(probs + c, std::min<int64_t>(kWidth, cols - c));
+      store_int16_units(x * to_units, kWidth, units + c);
     }
   }
   return true;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
 // accumulate_value_slice for PagedKernelTraits::kInt16Dots: O[r] += row_step[r] sum over c <
 // cols of P_int16[r, c] v_c on O's columns [d0, d0 + kVectors x 16), by VPDPWSSD over pairs of
 // keys. A pair's two value rows are widened to int16 and interleaved column by column (two
@@ -1053,6 +1155,86 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
   });
 }
 
+#else
+// accumulate_value_slice_int16 for AVX2: O[r] += row_step[r] sum over c < cols of P_int16[r, c]
+// v_c on O's columns [d0, d0 + kVectors x 8), all inside dim, by VPMADDWD over pairs of keys.
+// A pair's two value rows are interleaved byte by byte (one unpack per 8 columns) and widened
+// to int16 pairs in column order. The rest as on AVX-512.
+template <int kRows, int kVectors, bool kRequestAhead>
+C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, const float* row_step,
+                                                    const int8_t* const* value_rows, int64_t cols,
+                                                    int64_t d0, float* o, int64_t ld_o,
+                                                    const SweepRequests<int8_t>& ahead,
+                                                    std::pair<int64_t, int64_t> share) {
+  __m256i acc[kRows * kVectors];  // acc[r * kVectors + j]
+  unrolled<kRows * kVectors>([&](auto i)
+                                 C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm256_setzero_si256(); });
+  auto add_keys = [&](int64_t c, const int8_t* first,
+                      const int8_t* second) C10_ALWAYS_INLINE_ATTRIBUTE {
+    __m256i pairs[kVectors];
+    if constexpr (kVectors == 1) {
+      const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + d0));
+      const __m128i b = second == nullptr
+                            ? _mm_setzero_si128()
+                            : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second + d0));
+      pairs[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));
+    } else {
+      unrolled<kVectors / 2>([&](auto h) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const int64_t d = d0 + 16 * h;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + d));
+        const __m128i b = second == nullptr
+                              ? _mm_setzero_si128()
+                              : _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + d));
+        pairs[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));
+        pairs[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));
+      });
+    }
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      int32_t word;  // P[r, c] and P[r, c + 1]
+      std::memcpy(&word, p_int16 + r * kKeyBlock + c, sizeof(word));
+      const __m256i weights = _mm256_set1_epi32(word);
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * kVectors + j] = add_int16_pair_dots(acc[r * kVectors + j], pairs[j], weights);
+      });
+    });
+  };
+  int64_t c = 0;
+  for (; c + 2 <= cols; c += 2) {
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], value_rows[c + 1]);
+  }
+  if (c < cols) {  // an odd last key: its pair's second weight is 0
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], nullptr);
+  }
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    float* out = o + r * ld_o + d0 + 8 * j;
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(row_step[r]),
+                                          _mm256_loadu_ps(out)));
+  });
+}
+
+// The columns [d0, dim) that AVX2's whole vectors leave over (fewer than 8), in scalars.
+template <int kRows>
+void accumulate_value_columns_int16(const int16_t* p_int16, const float* row_step,
+                                    const int8_t* const* value_rows, int64_t cols, int64_t dim,
+                                    int64_t d0, float* o, int64_t ld_o) {
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t d = d0; d < dim; ++d) {
+      int32_t sum = 0;
+      for (int64_t c = 0; c < cols; ++c) sum += p_int16[r * kKeyBlock + c] * value_rows[c][d];
+      o[r * ld_o + d] += row_step[r] * static_cast<float>(sum);
+    }
+  }
+}
+#endif
+
 // accumulate_values for PagedKernelTraits::kInt16Dots (all rows in one group: the AVX-512
 // class's value_group_rows), P as quantize_probabilities left it.
 template <int kRows>
@@ -1061,9 +1243,11 @@ void accumulate_values_int16(const int16_t* p_int16, const float* row_step,
                              int64_t ld_o, const SweepRequests<int8_t>& next_keys) {
   using Traits = PagedKernelTraits<int8_t>;
   static_assert(Traits::value_group_rows(kRows) == kRows, "one group of rows");
-  constexpr int kVectors = Traits::value_vectors(kRows);
+  constexpr int kVectors = Traits::int16_value_vectors(kRows);
   constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
-  const int64_t slice_width = kVectors * 16;
+  constexpr int64_t kWidth = at::vec::Vectorized<float>::size();
+  const int64_t slice_width = kVectors * kWidth;
+#if defined(CPU_CAPABILITY_AVX512)
   const int64_t sweeps = ceil_div(dim, slice_width);
   auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
     accumulate_value_slice_int16<kRows, kVectors, kFull, kRequestAhead>(
@@ -1073,6 +1257,26 @@ void accumulate_values_int16(const int16_t* p_int16, const float* row_step,
   int64_t d0 = 0;
   for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, d0);
   if (d0 < dim) slice(std::false_type{}, d0);
+#else
+  // Whole slices, then single vectors, then the last columns in scalars (unrequested: the
+  // sweeps are the vector steps).
+  const int64_t whole_slices = dim / slice_width;
+  const int64_t single_vectors = dim % slice_width / kWidth;
+  const int64_t sweeps = std::max<int64_t>(whole_slices + single_vectors, 1);
+  int64_t d0 = 0, sweep = 0;
+  for (; d0 + slice_width <= dim; d0 += slice_width, ++sweep) {
+    accumulate_value_slice_int16<kRows, kVectors, kRequestAhead>(p_int16, row_step, value_rows,
+                                                                 cols, d0, o, ld_o, next_keys,
+                                                                 next_keys.share(sweep, sweeps));
+  }
+  for (; d0 + kWidth <= dim; d0 += kWidth, ++sweep) {
+    accumulate_value_slice_int16<kRows, 1, kRequestAhead>(p_int16, row_step, value_rows, cols, d0,
+                                                          o, ld_o, next_keys,
+                                                          next_keys.share(sweep, sweeps));
+  }
+  if (d0 < dim)
+    accumulate_value_columns_int16<kRows>(p_int16, row_step, value_rows, cols, dim, d0, o, ld_o);
+#endif
 }
 #endif
 
@@ -1275,7 +1479,7 @@ const q_t* task_query_row(const PagedAttentionParams& p, const PagedTask& task, 
          (kv_head * group + r % group) * p.q_strides.head;
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // For kInt16Dots: each of the task's q rows as integers on a power-of-two step, the largest
 // magnitude in [2^14, 2^15) steps (a bf16 or fp16 element there is a multiple of 16 steps, so
 // none rounds past 32767), and the factor that takes their dot products with the cached
@@ -1285,6 +1489,8 @@ const q_t* task_query_row(const PagedAttentionParams& p, const PagedTask& task, 
 template <typename q_t, typename scalar_t, typename acc_t>
 bool quantize_query_rows(const PagedAttentionParams& p, const PagedTask& task,
                          const PagedScratch<scalar_t, acc_t>& scratch) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t kWidth = Vec::size();
   const double q_scale = p.scale * key_unit_factor<scalar_t>(p);
   const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, dim = p.head_dim;
   for (int64_t kv_head = task.head_begin; kv_head < task.head_end; ++kv_head) {
@@ -1297,13 +1503,11 @@ bool quantize_query_rows(const PagedAttentionParams& p, const PagedTask& task,
       std::frexp(absmax, &exponent);
       const int step_exponent = absmax > 0.f ? exponent - 15 : 0;
       if (step_exponent < -115) return false;
-      const __m512 to_units = _mm512_set1_ps(std::ldexp(1.f, -step_exponent));  // exact
+      const Vec to_units(std::ldexp(1.f, -step_exponent));  // exact
       int16_t* units = state.q_int16 + r * ld_d;
-      for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 x = load_as<float>(q_row + d, std::min<int64_t>(16, dim - d));
-        _mm256_mask_storeu_epi16(
-            units + d, lanes_below<__mmask16>(dim - d),
-            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_units))));
+      for (int64_t d = 0; d < dim; d += kWidth) {
+        const int64_t count = std::min<int64_t>(kWidth, dim - d);
+        store_int16_units(load_as<float>(q_row + d, count) * to_units, count, units + d);
       }
       state.q_row_factor[r] = static_cast<acc_t>(std::ldexp(q_scale, step_exponent));
     }
@@ -1324,7 +1528,7 @@ DirectDots start_task(const PagedAttentionParams& p, const PagedTask& task,
   constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t group = scratch.plan.group, ld_d = scratch.plan.ld_d, ld_dv = scratch.plan.ld_dv;
   if (!task.direct) dots = DirectDots::kFloat;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (PagedKernelTraits<scalar_t>::kInt16Dots) {
     if (dots == DirectDots::kInt16Pairs && !quantize_query_rows<q_t>(p, task, scratch))
       dots = DirectDots::kFloat;
@@ -1548,7 +1752,7 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
                 const SweepRequests<scalar_t>& next_keys,
                 const PagedScratch<scalar_t, acc_t>& scratch, DirectDots dots) {
   const int64_t cols = item.cols, ld_dv = scratch.plan.ld_dv;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (PagedKernelTraits<scalar_t>::kInt16Dots) {
     if (dots == DirectDots::kInt16Pairs &&
         quantize_probabilities(scratch.s_tile, task.rows, cols, scratch.p_int16,
@@ -1704,6 +1908,8 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
     dots = DirectDots::kBf16Pairs;
   if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_bf16_enabled())
     dots = DirectDots::kInt16Pairs;
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (Traits::kInt16Dots && sizeof(q_t) == 2) dots = DirectDots::kInt16Pairs;
 #endif
   parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
     const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
