@@ -220,7 +220,7 @@ struct PagedKernelTraits {
   // 1.11-1.12x -> 1.34-1.39x.
   // AVX2, measured at MHA_EXT_CPU_ISA=avx2 on Xeon model 167 (no AVX2-only CPU measured
   // yet), bf16 q, B8 32q/8kv D128, one thread, builds alternated: the cache in L3 (context
-  // 512, a harness calling paged_attention) 40-41 -> 31-32 ns per key and kv head (8q/8kv
+  // 512, a harness calling paged_attention) 40 -> 31-33 ns per key and kv head (8q/8kv
   // 21-22 -> 16, 64q/8kv 68 -> 56); from memory, OMP_NUM_THREADS=1 python
   // benchmarks/kv_cache_speed.py --rounds 5 --clock cpu --formats bf16 int8 --flat-contexts
   // 0 0, 1.12-1.13x -> 1.33-1.37x the bf16 cache's tokens/s (720 -> 860); the suite below,
