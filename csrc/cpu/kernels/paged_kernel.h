@@ -198,21 +198,20 @@ struct PagedKernelTraits {
   static constexpr bool kScoreByBf16Dots =
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::BFloat16>;
 
-  // Whether the direct path multiplies an int8 cache in integers, for a bf16 or fp16 q: in
-  // both passes dot products of int16 pairs, on AVX-512 AVX512-VNNI's VPDPWSSD, one
-  // instruction for 32 elements of one row, where converting 16 cached elements to fp32 took
-  // two and then an FMA per row, on the two ports that the FMAs share; on AVX2 VPMADDWD and
-  // VPADDD for 16 elements, as many instructions per product as the FMAs, but one widening
-  // per 16 cached elements where the conversion to fp32 took four. The scores take q's rows rounded
-  // to integers on a power-of-two step (quantize_query_rows: exact for a bf16 element within 8
-  // binades of the row's largest, an fp16 within 5, any other within 2^-15 of the largest);
-  // the values take P's rows (the value scales folded in) rounded to integers on a step of
-  // the row's largest weight in the work item / 32767 (quantize_probabilities): finer than
-  // the bf16 P of GPU FlashAttention for every weight above 1/128 of that largest. Both stay
-  // far below the int8 format's own error (README: the kernel's error is the simulated
-  // format's, q in bf16 or fp32 alike), and the outputs within the accuracy rule of their
-  // dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as does the avx512
-  // level. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
+  // Whether the direct path multiplies an int8 cache in integers, for a bf16 or fp16 q: in both
+  // passes dot products of int16 pairs, on AVX-512 AVX512-VNNI's VPDPWSSD, one instruction for 32
+  // elements of one row, where converting 16 cached elements to fp32 took two and then an FMA per
+  // row, on the two ports that the FMAs share; on AVX2 VPMADDWD and VPADDD for 16 elements, as many
+  // instructions per product as the FMAs, but one widening per 16 cached elements where the
+  // conversion to fp32 took four. The scores take q's rows rounded to integers on a power-of-two
+  // step (quantize_query_rows: exact for a bf16 element within 8 binades of the row's largest, an
+  // fp16 within 5, any other within 2^-15 of the largest); the values take P's rows (the value
+  // scales folded in) rounded to integers on a step of the row's largest weight in the work item /
+  // 32767 (quantize_probabilities): finer than the bf16 P of GPU FlashAttention for every weight
+  // above 1/128 of that largest. Both stay far below the int8 format's own error (README: the
+  // kernel's error is the simulated format's, q in bf16 or fp32 alike), and the outputs within the
+  // accuracy rule of their dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as does
+  // the avx512 level. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
   // AVX512-VNNI there), and the AVX2 class.
   // Xeon model 207 (AMX class), bf16 q, B8 32q/8kv D128 context 4096 from memory, four
   // pairs of suite runs alternating MHA_EXT_CPU_ISA=avx512 (the fp32 FMAs of the same build):
@@ -1235,8 +1234,8 @@ void accumulate_value_columns_int16(const int16_t* p_int16, const float* row_ste
 }
 #endif
 
-// accumulate_values for PagedKernelTraits::kInt16Dots (all rows in one group: the AVX-512
-// class's value_group_rows), P as quantize_probabilities left it.
+// accumulate_values for PagedKernelTraits::kInt16Dots (all rows in one group: value_group_rows
+// of an int8 cache on both classes), P as quantize_probabilities left it.
 template <int kRows>
 void accumulate_values_int16(const int16_t* p_int16, const float* row_step,
                              const int8_t* const* value_rows, int64_t cols, int64_t dim, float* o,
