@@ -222,8 +222,9 @@ struct PagedKernelTraits {
   // 512, a harness calling paged_attention) 40 -> 31-33 ns per key and kv head (8q/8kv
   // 21-22 -> 16, 64q/8kv 68 -> 56); from memory, OMP_NUM_THREADS=1 python
   // benchmarks/kv_cache_speed.py --rounds 5 --clock cpu --formats bf16 int8 --flat-contexts
-  // 0 0, 1.12-1.13x -> 1.33-1.37x the bf16 cache's tokens/s (720 -> 860); the suite below,
-  // on one thread or two, read the same with either build (1.31-1.37x).
+  // 0 0, 1.12-1.13x -> 1.33-1.37x the bf16 cache's tokens/s (720 -> 860), and the suite's
+  // own case timed by whole passes over its layers 1.10-1.12x -> 1.29-1.31x; the suite below,
+  // one call per sample, read 1.31-1.37x with either build (docs/PERFORMANCE.md).
   // Check: python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16
   // --kv-cache-dtype int8 --kv-cache-only (and OMP_NUM_THREADS=1 python
   // benchmarks/kv_cache_speed.py --in-cache --context 128 --formats bf16 int8), with
