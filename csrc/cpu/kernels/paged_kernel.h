@@ -1073,6 +1073,30 @@ inline bool quantize_probabilities(const float* s_tile, int64_t rows, int64_t co
   return true;
 }
 
+// The int16 value pass's walk over a tile's keys in pairs: add_keys(c, value_rows[c],
+// value_rows[c + 1]) for c = 0, 2, ..., and an odd last key with nullptr for its partner (whose
+// weight is then 0). With kRequestAhead, bytes `share` of ahead's rows c and c + 1 are
+// requested first.
+template <bool kRequestAhead, typename AddKeys>
+C10_ALWAYS_INLINE void for_each_key_pair(const int8_t* const* value_rows, int64_t cols,
+                                         const SweepRequests<int8_t>& ahead,
+                                         std::pair<int64_t, int64_t> share, AddKeys&& add_keys) {
+  int64_t c = 0;
+  for (; c + 2 <= cols; c += 2) {
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], value_rows[c + 1]);
+  }
+  if (c < cols) {  // an odd last key: its pair's second weight is 0
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], nullptr);
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // accumulate_value_slice for PagedKernelTraits::kInt16Dots: O[r] += row_step[r] sum over c <
 // cols of P_int16[r, c] v_c on O's columns [d0, d0 + kVectors x 16), by VPDPWSSD over pairs of
@@ -1130,20 +1154,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
       });
     });
   };
-  int64_t c = 0;
-  for (; c + 2 <= cols; c += 2) {
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], value_rows[c + 1]);
-  }
-  if (c < cols) {  // an odd last key: its pair's second weight is 0
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], nullptr);
-  }
+  for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int r = i / kVectors, j = i % kVectors;
     const __mmask16 lanes = kFull ? __mmask16(0xFFFF) : lanes_below<__mmask16>(dim - d0 - 16 * j);
@@ -1198,20 +1209,7 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
       });
     });
   };
-  int64_t c = 0;
-  for (; c + 2 <= cols; c += 2) {
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], value_rows[c + 1]);
-  }
-  if (c < cols) {  // an odd last key: its pair's second weight is 0
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], nullptr);
-  }
+  for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int r = i / kVectors, j = i % kVectors;
     float* out = o + r * ld_o + d0 + 8 * j;
