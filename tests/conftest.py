@@ -129,12 +129,14 @@ def _fixed_seed(device):
 # ------------------------------------------------------------- reruns under a forced CPU ISA
 
 TESTS_DIR = Path(__file__).resolve().parent
-# The kernel build each MHA_EXT_CPU_ISA level runs: avx512_bf16 is the avx512 build with its
-# bf16 instructions allowed, avx512_amx the same tuned for the CPUs with AMX.
+# The kernel build each MHA_EXT_CPU_ISA level runs: avx512_vnni is the avx512 build with its
+# VNNI instructions allowed, avx512_bf16 adds its bf16 ones, avx512_amx is the same tuned for
+# the CPUs with AMX.
 ISA_BUILDS = {
     "generic": "generic",
     "avx2": "avx2",
     "avx512": "avx512",
+    "avx512_vnni": "avx512",
     "avx512_bf16": "avx512",
     "avx512_amx": "avx512",
 }

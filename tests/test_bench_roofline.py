@@ -59,6 +59,7 @@ def under_isa(isa):
         ("generic", ["fp32_portable"]),
         ("avx2", ["fp32_portable", "fp32_fma_avx2"]),
         ("avx512", ["fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512"]),
+        ("avx512_vnni", ["fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512"]),
     ],
 )
 def test_forced_isa_lists_only_its_probes(isa, expected):

@@ -32,7 +32,8 @@ def test_build_info_reports_what_was_compiled():
     info = mha_ext.build_info()
     assert info["version"] == mha_ext.__version__
     assert info["torch_version"] and info["torch_version"] in __import__("torch").__version__
-    expected = ["generic", "avx2", "avx512", "avx512_bf16", "avx512_amx"] if X86 else ["generic"]
+    expected = ["generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx512_amx"]
+    expected = expected if X86 else ["generic"]
     assert info["cpu_isas"] == expected
     assert info["cpu_isa"] in info["cpu_isas"]
     assert isinstance(info["cuda_archs"], list)
@@ -51,6 +52,7 @@ def test_active_isa_matches_environment():
 ISA_FLAGS = {
     "avx2": {"avx2", "fma", "bmi2"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512_vnni": {"avx512_vnni"},
     "avx512_bf16": {"avx512_bf16"},
     "avx512_amx": {"amx_bf16", "amx_tile"},
 }

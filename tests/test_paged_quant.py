@@ -1,6 +1,11 @@
 """8-bit paged KV caches (int8 with per-row scales, float8_e4m3fn with per-tensor scales):
 exact quantizing appends, paged attention over the values the cache holds, bad input."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -241,12 +246,10 @@ def build_quantized(
 
 def scores_on_int16_queries(fmt, dtype):
     """Whether paged_attention scores q's rows rounded to 16-bit integers
-    (PagedKernelTraits::kInt16Dots): a bf16 or fp16 q over an int8 cache at the levels avx2,
-    avx512_bf16 and avx512_amx (the avx512 level keeps fp32 FMAs)."""
+    (PagedKernelTraits::kInt16Dots): a bf16 or fp16 q over an int8 cache at every x86 level
+    but avx512 (AVX-512 without VNNI keeps fp32 FMAs)."""
     active = mha_ext.build_info()["cpu_isa"]
-    return (
-        fmt == "int8" and dtype != torch.float32 and active in ("avx2", "avx512_bf16", "avx512_amx")
-    )
+    return fmt == "int8" and dtype != torch.float32 and active not in ("generic", "avx512")
 
 
 def int16_query_rows(q):
@@ -477,9 +480,51 @@ FORCED_ISA_SELECTION = (
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_forced_isa_builds(isa):
-    # avx512 runs the build of avx512_bf16 and avx512_amx, but scores a 16-bit q in fp32.
+    # avx512 runs the build of the levels above it, but scores a 16-bit q in fp32.
     skip_unless_isa_rerun_adds(isa, compare_builds=False)
     assert_tests_pass_under_isa(isa, ["test_paged_quant.py"], FORCED_ISA_SELECTION)
+
+
+# A bf16 decode over an int8 cache, its output saved to argv[1].
+INT8_DECODE_CHILD = """
+import sys
+import torch
+import mha_ext
+from test_paged_quant import build_quantized
+
+q, k_cache, v_cache, index, scales = build_quantized(
+    "int8", [300, 77], [1, 1], 32, 8, 128, 16, torch.bfloat16
+)
+torch.save(mha_ext.paged_attention(q, k_cache, v_cache, *index, **scales), sys.argv[1])
+"""
+
+
+@pytest.mark.cpu_only
+def test_avx512_levels_choose_the_int8_path(tmp_path):
+    # The avx512_vnni level (Cascade Lake, Ice Lake) runs the int16 dot products of the levels
+    # above it, bit for bit, and the avx512 level (Skylake-SP, no VNNI) the fp32 FMAs, whose
+    # unrounded q and P give other bits.
+    if "avx512_vnni" not in mha_ext.build_info()["cpu_isas"]:
+        pytest.skip("no AVX-512 build on this platform")
+    outputs = {}
+    for isa in ("avx512", "avx512_vnni", "avx512_bf16"):
+        path = tmp_path / f"{isa}.pt"
+        result = subprocess.run(
+            [sys.executable, "-c", INT8_DECODE_CHILD, str(path)],
+            env={**os.environ, "MHA_EXT_CPU_ISA": isa},
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+        if "this CPU does not support" in result.stderr:
+            if isa == "avx512_bf16":
+                continue
+            pytest.skip(f"this CPU cannot run {isa}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[isa] = torch.load(path)
+    assert not torch.equal(outputs["avx512_vnni"], outputs["avx512"])
+    if "avx512_bf16" in outputs:
+        assert torch.equal(outputs["avx512_vnni"], outputs["avx512_bf16"])
 
 
 # ---------------------------------------------------------------- cache object and module

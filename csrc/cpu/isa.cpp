@@ -22,11 +22,11 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("bmi2");
+    case CpuIsa::kAvx512Vnni:
+      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512vnni");
     case CpuIsa::kAvx512Bf16:
-      // Its paths also take AVX512-VNNI's int16 dot products (the paged kernel's kInt16Dots),
-      // which every CPU with AVX512-BF16 has.
-      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16") &&
-             __builtin_cpu_supports("avx512vnni");
+      // On top of the VNNI level's int16 dot products: every CPU with AVX512-BF16 has VNNI.
+      return cpu_supports(CpuIsa::kAvx512Vnni) && __builtin_cpu_supports("avx512bf16");
     case CpuIsa::kAvx512Amx:
       // The class, not Linux's permission to use the tiles: the kernels run no AMX
       // instruction of their own.
@@ -83,6 +83,7 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kGeneric: return "generic";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Vnni: return "avx512_vnni";
     case CpuIsa::kAvx512Bf16: return "avx512_bf16";
     case CpuIsa::kAvx512Amx: return "avx512_amx";
   }
@@ -91,8 +92,8 @@ const char* cpu_isa_name(CpuIsa isa) {
 
 std::vector<CpuIsa> compiled_cpu_isas() {
 #if defined(__x86_64__)
-  return {CpuIsa::kGeneric, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16,
-          CpuIsa::kAvx512Amx};
+  return {CpuIsa::kGeneric,    CpuIsa::kAvx2,       CpuIsa::kAvx512,
+          CpuIsa::kAvx512Vnni, CpuIsa::kAvx512Bf16, CpuIsa::kAvx512Amx};
 #else
   return {CpuIsa::kGeneric};
 #endif

@@ -1,13 +1,16 @@
 #pragma once
 // Run-time choice among the CPU code paths (see kernels/kernels.h), as ATen does: the best
 // ISA this CPU supports, or the one named by MHA_EXT_CPU_ISA (generic | avx2 | avx512 |
-// avx512_bf16 | avx512_amx), so that tests can force every path this CPU can run.
+// avx512_vnni | avx512_bf16 | avx512_amx), so that tests can force every path this CPU can run.
 #include <string>
 #include <vector>
 
 namespace mha_ext::cpu {
 
-// The first three ISAs are kernel builds of their own. kAvx512Bf16 is the AVX-512 build with
+// The first three ISAs are kernel builds of their own; the AVX-512 build runs at four levels.
+// kAvx512Vnni is that build with its AVX512-VNNI path enabled (paged decode's int16 dot
+// products over an int8 cache, PagedKernelTraits::kInt16Dots): Cascade Lake and Ice Lake
+// Xeons, which have VNNI but not BF16. kAvx512Bf16 is the AVX-512 build with
 // its AVX512-BF16 paths enabled (the bf16 attention on brgemm, the bf16 dot products of paged
 // decode): a run-time level of that build rather than a fourth build, because those paths
 // already carry their own target("avx512bf16") attributes (or assembly) and differ from the
@@ -18,10 +21,10 @@ namespace mha_ext::cpu {
 // kernels choose for that class where it differs from the other AVX512-BF16 CPUs (AMD Zen 4
 // and 5): there VDPBF16PS runs at a quarter of the FMA's instruction rate, so paged decode
 // scores a bf16 cache with FMAs (PagedKernelTraits::kScoreByBf16Dots).
-enum class CpuIsa { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAvx512Amx };
+enum class CpuIsa { kGeneric, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16, kAvx512Amx };
 
-// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2", "avx512", "avx512_bf16"
-// or "avx512_amx".
+// Name used by MHA_EXT_CPU_ISA and build_info(): "generic", "avx2", "avx512", "avx512_vnni",
+// "avx512_bf16" or "avx512_amx".
 const char* cpu_isa_name(CpuIsa isa);
 
 // The ISAs this library can run, each level after the ones it extends, portable first.

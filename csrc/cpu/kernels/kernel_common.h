@@ -549,11 +549,15 @@ void online_softmax_tile(acc_t* s_tile, int64_t ld_s, int64_t rows, int64_t cols
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Whether the AVX-512 build may run its AVX512-BF16 and AVX512-VNNI paths: only at the
-// avx512_bf16 and avx512_amx levels of cpu/isa.h, which the CPU must support and
-// MHA_EXT_CPU_ISA=avx512 turns off, so that the build's other paths run (and are tested) on
-// these CPUs too.
+// Whether the AVX-512 build may run its AVX512-BF16 paths: only at the avx512_bf16 and
+// avx512_amx levels of cpu/isa.h, which the CPU must support and MHA_EXT_CPU_ISA=avx512 or
+// avx512_vnni turns off, so that the build's other paths run (and are tested) on these CPUs
+// too.
 inline bool avx512_bf16_enabled() { return active_cpu_isa() >= CpuIsa::kAvx512Bf16; }
+
+// Whether it may run its AVX512-VNNI path (paged decode's int16 dot products): from the
+// avx512_vnni level on.
+inline bool avx512_vnni_enabled() { return active_cpu_isa() >= CpuIsa::kAvx512Vnni; }
 
 // dst = src rounded to bf16 (nearest even), 32 at a time with VCVTNE2PS2BF16.
 __attribute__((target("avx512bf16"))) inline void round_to_bf16(const float* src,

@@ -31,12 +31,14 @@ MHA_EXT_DECLARE_CPU_KERNELS(AVX512)
 
 // Runs the build of kernel `name` that cpu/isa.h chose for this CPU, with the kernel's
 // arguments. The AVX-512 levels run the AVX-512 build, which asks the active ISA whether its
-// AVX512-BF16 paths may run (avx512_bf16_enabled in kernel_common.h) and for which class.
+// AVX512-VNNI and AVX512-BF16 paths may run (avx512_vnni_enabled, avx512_bf16_enabled in
+// kernel_common.h) and for which class.
 #if defined(__x86_64__)
 #define MHA_EXT_RUN_CPU_KERNEL(name, ...)                                                   \
   switch (::mha_ext::cpu::active_cpu_isa()) {                                               \
     case ::mha_ext::cpu::CpuIsa::kAvx512Amx:                                                \
     case ::mha_ext::cpu::CpuIsa::kAvx512Bf16:                                               \
+    case ::mha_ext::cpu::CpuIsa::kAvx512Vnni:                                               \
     case ::mha_ext::cpu::CpuIsa::kAvx512: ::mha_ext::cpu::AVX512::name(__VA_ARGS__); break; \
     case ::mha_ext::cpu::CpuIsa::kAvx2: ::mha_ext::cpu::AVX2::name(__VA_ARGS__); break;     \
     default: ::mha_ext::cpu::DEFAULT::name(__VA_ARGS__);                                    \

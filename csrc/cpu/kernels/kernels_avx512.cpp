@@ -1,7 +1,8 @@
 // AVX-512 (F, BW, VL, DQ) build of the CPU kernels, run only on CPUs that report those
-// features (cpu/isa.cpp), at three levels: avx512; avx512_bf16, which also runs the paths
-// that need AVX512-BF16 or AVX512-VNNI (avx512_bf16_enabled in kernel_common.h); and
-// avx512_amx, the same on the CPU class with AMX, tuned for it where the classes differ.
+// features (cpu/isa.cpp), at four levels: avx512; avx512_vnni, which also runs the path that
+// needs AVX512-VNNI (avx512_vnni_enabled in kernel_common.h); avx512_bf16, which adds the
+// paths that need AVX512-BF16 (avx512_bf16_enabled); and avx512_amx, the same on the CPU class
+// with AMX, tuned for it where the classes differ.
 //
 // First what every build compiles for the baseline CPU (baseline_headers.h says why); after
 // the target pragma, only this build's own code, in its namespace (CPU_CAPABILITY).

@@ -211,8 +211,11 @@ struct PagedKernelTraits {
   // above 1/128 of that largest. Both stay far below the int8 format's own error (README: the
   // kernel's error is the simulated format's, q in bf16 or fp32 alike), and the outputs within the
   // accuracy rule of their dtype. An fp32 q keeps the fp32 FMAs, whose products are exact, as does
-  // the avx512 level. AVX-512 class, at the avx512_bf16 and avx512_amx levels (cpu/isa.cpp requires
-  // AVX512-VNNI there), and the AVX2 class.
+  // the avx512 level: AVX-512 CPUs without VNNI (Skylake-SP), where VPMADDWD + VPADDD read no
+  // faster than the FMAs (Xeon model 167 with this path's VPDPWSSD replaced by them, one
+  // thread, kv_cache_speed.py as below, two runs: 1.50 / 1.49x the bf16 cache against the
+  // FMAs' 1.48 / 1.44x, and VPDPWSSD's 1.65-1.68x). AVX-512 class from the avx512_vnni level
+  // on (Cascade Lake and Ice Lake Xeons, and every CPU with AVX512-BF16), and the AVX2 class.
   // Xeon model 207 (AMX class), bf16 q, B8 32q/8kv D128 context 4096 from memory, four
   // pairs of suite runs alternating MHA_EXT_CPU_ISA=avx512 (the fp32 FMAs of the same build):
   // 1.46-1.53x -> 1.55-1.62x the bf16 cache's tokens/s; one thread from L2 (context 128):
@@ -228,7 +231,7 @@ struct PagedKernelTraits {
   // Check: python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16
   // --kv-cache-dtype int8 --kv-cache-only (and OMP_NUM_THREADS=1 python
   // benchmarks/kv_cache_speed.py --in-cache --context 128 --formats bf16 int8), with
-  // MHA_EXT_CPU_ISA=avx512 and without; on AVX2, against the previous build
+  // MHA_EXT_CPU_ISA=avx512 and avx512_vnni; on AVX2, against the previous build
   static constexpr bool kInt16Dots =
       kIsaClass != IsaClass::kPortable && std::is_same_v<scalar_t, int8_t>;
 
@@ -601,7 +604,7 @@ C10_ALWAYS_INLINE __m512 add_bf16_pair_dots(__m512 acc, __m512i a, __m512i b) {
 // acc + the dot products of a's and b's int16 pairs, one per int32 lane (VPDPWSSD, wrapping;
 // kInt16Dots' int16 q rows and int8 keys sum to at most 2^23 per pair, under 2^31 over the
 // op's largest head_dim, 256). Assembly for the same reason; it runs only where
-// avx512_bf16_enabled(), whose CPUs have AVX512-VNNI.
+// avx512_vnni_enabled().
 C10_ALWAYS_INLINE __m512i add_int16_pair_dots(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -1904,7 +1907,7 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
 #if defined(CPU_CAPABILITY_AVX512)
   if (Traits::kScoreByBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16)
     dots = DirectDots::kBf16Pairs;
-  if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_bf16_enabled())
+  if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_vnni_enabled())
     dots = DirectDots::kInt16Pairs;
 #elif defined(CPU_CAPABILITY_AVX2)
   if (Traits::kInt16Dots && sizeof(q_t) == 2) dots = DirectDots::kInt16Pairs;
