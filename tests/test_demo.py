@@ -256,15 +256,41 @@ def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cach
     for step in case.steps.values():
         for _ in range(layers + 1):  # every layer, then the first again
             step()
-    # mha_ext's steps read each layer's cache in turn.
+    # mha_ext's steps read each layer's cache in turn, a sample every layer's (at most
+    # DECODE_CALLS_PER_SAMPLE; the naive attention one), reported per call.
+    assert case.params["calls_per_sample"] == layers
+    assert case.per_call == {"mha_ext": layers, "torch_sdpa": layers, "naive": 1}
     key_caches = []
     monkeypatch.setattr(
         suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
     )
-    for _ in range(2 * layers):
+    for _ in range(2):
         case.steps["mha_ext"]()
     pointers = [k_cache.data_ptr() for k_cache in key_caches]
+    assert len(pointers) == 2 * layers
     assert len(set(pointers)) == layers and pointers[:layers] == pointers[layers:]
+
+
+def test_decode_samples_take_at_most_the_calls_per_sample(monkeypatch):
+    # 40 layers (a cache of 20 layers' bytes): each sample decodes the next 16 of them.
+    monkeypatch.setattr(suites, "cpu_cache_bytes", lambda: 20 * 16384)
+    case = suites._decode_case("tiny", 4, 2, 32, 16, torch.float32, torch.device("cpu"), batch=2)
+    assert case.params["layers"] == 40 and suites.DECODE_CALLS_PER_SAMPLE == 16
+    key_caches = []
+    monkeypatch.setattr(
+        suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
+    )
+    for _ in range(3):
+        case.steps["mha_ext"]()
+    pointers = [k_cache.data_ptr() for k_cache in key_caches]
+    assert len(pointers) == 48 and len(set(pointers)) == 40 and pointers[40:] == pointers[:8]
+    monkeypatch.setattr(
+        suites,
+        "interleaved_seconds",
+        lambda steps, warmup, repeats, device: {name: [0.016] for name in steps},
+    )
+    result = suites.run_case(case, {"stream_read": 1.0}, torch.device("cpu"), repeats=1)
+    assert result["results"]["mha_ext"]["seconds_per_call"] == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize("matmul_gflops, naive_timed", [(1000.0, True), (0.0001, False)])

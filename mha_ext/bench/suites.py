@@ -83,6 +83,12 @@ NAIVE_MAX_SEQ = 1024
 # llama2-70b forward + backward of it takes over a minute.
 NAIVE_MAX_SECONDS = 2.0
 DECODE_BATCH = 8
+# Decode calls per timed sample, each on the next layer: at the targets' shapes (context 4096)
+# a whole pass over the layers. One call per sample (about 10 ms) moved by more than a 20%
+# kernel change on a 2-core VM (Xeon model 167: one case's samples 494-620 tokens/s, where
+# passes over its 15 layers told two builds apart every time), and layers of one run can sit
+# on differently backed pages.
+DECODE_CALLS_PER_SAMPLE = 16
 # The decode suite's cases with score features, 32 query / 8 kv heads x 128, at each of the
 # suite's contexts: a Mistral-style sliding window of that many keys over a context this many
 # times longer (4096 over 32k at the full run's 4096: the window's keys are all a step reads,
@@ -278,9 +284,10 @@ def _decode_case(
     softcap=0.0,
     sinks=False,
 ) -> Case:
-    """One decode step of one layer. A model's step reads every layer's cache once, so on a CPU
-    the steps cycle through enough layers that their caches are twice the size of the CPU's
-    largest cache: each step reads its K/V from memory, as in a real model.
+    """One decode step of one layer, timed DECODE_CALLS_PER_SAMPLE layers' steps to a sample. A
+    model's step reads every layer's cache once, so on a CPU the steps cycle through enough
+    layers that their caches are twice the size of the CPU's largest cache: each step reads its
+    K/V from memory, as in a real model.
 
     window: the query sees its last window + 1 keys; torch's contenders attend to a contiguous
     cache of just those (a rolling window cache), and the work is their bytes. softcap and
@@ -321,12 +328,19 @@ def _decode_case(
     if sinks:
         features["sinks"] = sink_logits = torch.randn(heads, generator=generator).to(device)
 
-    def rotating(step):  # each call runs step(layer) on the next layer
+    # calls per sample by contender: the naive attention's one call already takes 20-50 times
+    # as long as mha_ext's
+    calls = {}
+
+    def rotating(name, step, count=min(layers, DECODE_CALLS_PER_SAMPLE)):
+        # a timed sample: step(layer) on each of the next `count` layers
         next_layer = itertools.cycle(range(layers))
-        return lambda: step(next(next_layer))
+        calls[name] = count
+        return _repeated(lambda: step(next(next_layer)), count)
 
     steps = {
         "mha_ext": rotating(
+            "mha_ext",
             lambda layer: functional.paged_attention(
                 q_packed,
                 cache.key_caches[layer],
@@ -335,7 +349,7 @@ def _decode_case(
                 prefill.seq_lens,
                 one_query_each,
                 **features,
-            )
+            ),
         )
     }
     baseline = next(iter(_torch_sdpa_contenders(device)))
@@ -356,7 +370,7 @@ def _decode_case(
             probs = torch.softmax(scores, dim=-1)[..., :keys_read].to(dtype)
             return probs @ v
 
-        steps[baseline] = rotating(torch_eager)
+        steps[baseline] = rotating(baseline, torch_eager)
     else:
         for contender, backend in _torch_sdpa_contenders(device).items():
 
@@ -364,8 +378,12 @@ def _decode_case(
                 with _backend(backend):
                     F.scaled_dot_product_attention(q, *contiguous[layer], enable_gqa=gqa)
 
-            steps[contender] = rotating(torch_decode)
-        steps["naive"] = rotating(lambda layer: attention_reference(q, *contiguous[layer]))
+            steps[contender] = rotating(contender, torch_decode)
+
+        def naive(layer):
+            return attention_reference(q, *contiguous[layer])
+
+        steps["naive"] = rotating("naive", naive, count=1)
     label = f"{name} {dtype_name(dtype)} ctx={context} batch={batch}"
     if window is not None:
         label += f" window={window}"
@@ -385,12 +403,21 @@ def _decode_case(
         "dtype": dtype_name(dtype),
         "block_size": block_size,
         "layers": layers,
+        "calls_per_sample": calls["mha_ext"],
         "window": window,
         "softcap": softcap,
         "sinks": sinks,
     }
     return Case(
-        "paged_decode", label, params, work_bytes, "GB/s", "stream_read", steps, baseline=baseline
+        "paged_decode",
+        label,
+        params,
+        work_bytes,
+        "GB/s",
+        "stream_read",
+        steps,
+        baseline=baseline,
+        per_call=calls,
     )
 
 
@@ -408,8 +435,9 @@ def _quantized_decode_case(
     unit scale), against the same step over a bf16 cache of the same keys and values, the two
     interleaved so their ratio comes from one run. q is in dtype; the bf16 cache's contender
     gets it in bf16. As in _decode_case, the steps cycle through enough layers that the 8-bit
-    caches are twice the CPU's largest cache (the bf16 ones four times): every step reads
-    from memory. Work: the bytes each contender's cache holds for the step (scales included)."""
+    caches are twice the CPU's largest cache (the bf16 ones four times), every step reading
+    from memory, and a sample times DECODE_CALLS_PER_SAMPLE of them. Work: the bytes each
+    contender's cache holds for the step (scales included)."""
     generator = torch.Generator().manual_seed(0)
     cache_dtype = KV_CACHE_DTYPES[cache_name]
     work_bytes = cache_bytes_read(cache_dtype, batch, kv_heads, context, head_dim)
@@ -449,8 +477,9 @@ def _quantized_decode_case(
                 **cache.scale_arguments(layer),
             )
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    calls = min(layers, DECODE_CALLS_PER_SAMPLE)
 
-    def decode(contender):
+    def decode(contender):  # a timed sample: the decode of each of the next `calls` layers
         cache, next_layer = caches[contender], itertools.cycle(range(layers))
 
         def step():
@@ -465,7 +494,7 @@ def _quantized_decode_case(
                 **cache.scale_arguments(layer),
             )
 
-        return step
+        return _repeated(step, calls)
 
     params = {
         "model": name,
@@ -478,6 +507,7 @@ def _quantized_decode_case(
         "kv_cache_dtype": cache_name,
         "block_size": block_size,
         "layers": layers,
+        "calls_per_sample": calls,
     }
     return Case(
         "paged_decode",
@@ -489,6 +519,7 @@ def _quantized_decode_case(
         {contender: decode(contender) for contender in caches},
         baseline="bf16_cache",
         work_by_contender={"bf16_cache": bf16_bytes},
+        per_call=dict.fromkeys(caches, calls),
     )
 
 
