@@ -10,11 +10,11 @@ namespace mha_ext::cpu {
 // The first three ISAs are kernel builds of their own; the AVX-512 build runs at four levels.
 // kAvx512Vnni is that build with its AVX512-VNNI path enabled (paged decode's int16 dot
 // products over an int8 cache, PagedKernelTraits::kInt16Dots): Cascade Lake and Ice Lake
-// Xeons, which have VNNI but not BF16. kAvx512Bf16 is the AVX-512 build with
-// its AVX512-BF16 paths enabled (the bf16 attention on brgemm, the bf16 dot products of paged
-// decode): a run-time level of that build rather than a fourth build, because those paths
-// already carry their own target("avx512bf16") attributes (or assembly) and differ from the
-// rest of the build only by the check that selects them. A build of their own would compile
+// Xeons, which have VNNI but not BF16. kAvx512Bf16 adds its AVX512-BF16 paths (the bf16
+// attention on brgemm, the bf16 dot products of paged decode). Both are run-time levels of
+// that build rather than builds of their own, because those paths already carry their own
+// target("avx512bf16") attributes (or assembly) and differ from the rest of the build only by
+// the check that selects them. A build of their own would compile
 // kernels_avx512.cpp, the largest kernel build (24 s of the three builds' 61 s at -O3 on one
 // Xeon core), a second time for code that differs only in that check. kAvx512Amx is the
 // kAvx512Bf16 level on the CPU class with AMX tiles (Intel Xeon since Sapphire Rapids), whose
