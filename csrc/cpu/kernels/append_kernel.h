@@ -44,6 +44,10 @@ C10_ALWAYS_INLINE FloatVec max_skipping_nan(FloatVec x, FloatVec acc) {
 C10_ALWAYS_INLINE FloatVec clamp_keeping_nan(FloatVec x, float lo, float hi) {
   return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
 }
+// min(x, hi) with a NaN x kept NaN.
+C10_ALWAYS_INLINE FloatVec at_most_keeping_nan(FloatVec x, float hi) {
+  return _mm512_min_ps(_mm512_set1_ps(hi), x);
+}
 // Lane r: the largest lane of rows[r]. One transposing tree of maxima for 16 rows (45
 // shuffles and maxima, against 8 a row alone and a longer chain of latencies).
 C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[16]) {
@@ -84,8 +88,9 @@ C10_ALWAYS_INLINE IntLanes splat(uint32_t x) { return _mm512_set1_epi32(static_c
 C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm512_and_si512(a, b); }
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm512_add_epi32(a, b); }
 C10_ALWAYS_INLINE IntLanes sub(IntLanes a, IntLanes b) { return _mm512_sub_epi32(a, b); }
-// The larger, as signed 32-bit integers.
+// The larger and the smaller, as signed 32-bit integers.
 C10_ALWAYS_INLINE IntLanes max_int(IntLanes a, IntLanes b) { return _mm512_max_epi32(a, b); }
+C10_ALWAYS_INLINE IntLanes min_int(IntLanes a, IntLanes b) { return _mm512_min_epi32(a, b); }
 template <int kBits>
 C10_ALWAYS_INLINE IntLanes shift_right(IntLanes a) {
   return _mm512_srli_epi32(a, kBits);
@@ -93,10 +98,6 @@ C10_ALWAYS_INLINE IntLanes shift_right(IntLanes a) {
 // The bits of if_set where mask has a 1, the bits of otherwise elsewhere.
 C10_ALWAYS_INLINE IntLanes select_bits(IntLanes mask, IntLanes if_set, IntLanes otherwise) {
   return _mm512_ternarylogic_epi32(mask, if_set, otherwise, 0xCA);  // mask ? if_set : otherwise
-}
-// Lanes where x is NaN: if_nan; others: otherwise.
-C10_ALWAYS_INLINE IntLanes where_nan(FloatVec x, IntLanes if_nan, IntLanes otherwise) {
-  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), otherwise, if_nan);
 }
 // The low byte of each of the first `count` lanes to out.
 C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
@@ -122,6 +123,9 @@ C10_ALWAYS_INLINE FloatVec max_skipping_nan(FloatVec x, FloatVec acc) {
 }
 C10_ALWAYS_INLINE FloatVec clamp_keeping_nan(FloatVec x, float lo, float hi) {
   return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
+}
+C10_ALWAYS_INLINE FloatVec at_most_keeping_nan(FloatVec x, float hi) {
+  return _mm256_min_ps(_mm256_set1_ps(hi), x);
 }
 C10_ALWAYS_INLINE FloatVec max_of_each(const FloatVec (&rows)[8]) {
   __m256 pairs[4];  // 128-bit halves: rows 2i and 2i + 1
@@ -154,17 +158,13 @@ C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm256_and_s
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm256_add_epi32(a, b); }
 C10_ALWAYS_INLINE IntLanes sub(IntLanes a, IntLanes b) { return _mm256_sub_epi32(a, b); }
 C10_ALWAYS_INLINE IntLanes max_int(IntLanes a, IntLanes b) { return _mm256_max_epi32(a, b); }
+C10_ALWAYS_INLINE IntLanes min_int(IntLanes a, IntLanes b) { return _mm256_min_epi32(a, b); }
 template <int kBits>
 C10_ALWAYS_INLINE IntLanes shift_right(IntLanes a) {
   return _mm256_srli_epi32(a, kBits);
 }
 C10_ALWAYS_INLINE IntLanes select_bits(IntLanes mask, IntLanes if_set, IntLanes otherwise) {
   return _mm256_or_si256(_mm256_and_si256(mask, if_set), _mm256_andnot_si256(mask, otherwise));
-}
-C10_ALWAYS_INLINE IntLanes where_nan(FloatVec x, IntLanes if_nan, IntLanes otherwise) {
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(otherwise),
-                                              _mm256_castsi256_ps(if_nan),
-                                              _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
   // Each 128-bit half's four low bytes into its low 32 bits (a truncation, like VPMOVDB),
@@ -189,25 +189,30 @@ C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
 }
 #endif
 
-// The float8_e4m3fn codes of x (each lane's low byte), which clamp_keeping_nan bounded to
-// [-448, 448] or NaN: rounded to nearest, ties to even, as c10 converts.
+// The float8_e4m3fn codes of clamp(x, -448, 448) (each lane's low byte; NaN stays NaN):
+// rounded to nearest, ties to even, as c10 converts.
 //
-// x in [2^e, 2^(e + 1)) plus s = 2^(e + 20) with x's sign is s plus a whole number of s's
-// units in the last place, 2^(e - 3): fp32's own rounding (to nearest, ties to even) rounds x
-// to e4m3's 3 mantissa bits, and the sum's bits minus s's count the units, 8..16 (16: a tie
-// carried into 2^(e + 1), as in e4m3). Below 2^-6, e4m3's subnormals, e stays -6: units of
-// 2^-9, 0..8. The code is then 8 * (e + 6) + units. The sign comes from x: -0 and negatives
-// rounding to zero keep it, as in c10.
+// The magnitude m = |x| is bounded first: to 448 by MINPS, which passes a NaN (its second
+// operand), then a NaN to 480 by an integer minimum (non-negative floats order as their bits
+// do); 480 encodes below as 0x7F, e4m3fn's NaN. m in [2^e, 2^(e + 1)) plus s = 2^(e + 20) is
+// s plus a whole number of s's units in the last place, 2^(e - 3): fp32's own rounding (to
+// nearest, ties to even) rounds m to e4m3's 3 mantissa bits, and the sum's bits minus s's
+// count the units, 8..16 (16: a tie carried into 2^(e + 1), as in e4m3). Below 2^-6, e4m3's
+// subnormals, e stays -6: units of 2^-9, 0..8. The code is then 8 * (e + 6) + units, with x's
+// sign: -0 and negatives rounding to zero keep it, as in c10. Bounding m rather than x drops
+// the clamp's lower bound, the NaN check and the shifter's sign.
 C10_ALWAYS_INLINE IntLanes float8_e4m3_codes(FloatVec x) {
+  const FloatVec magnitude = as_float(bit_and(as_int(x), splat(0x7FFFFFFFu)));
+  const IntLanes bounded =
+      min_int(as_int(at_most_keeping_nan(magnitude, kFloat8E4M3Max)), splat(0x43F00000u));  // 480
   // 2^e's bits, e >= -6
-  const IntLanes power = max_int(bit_and(as_int(x), splat(0x7F800000u)), splat(121u << 23));
-  const IntLanes shifter = select_bits(splat(0x80000000u), as_int(x), add(power, splat(20u << 23)));
-  const IntLanes units = sub(as_int(x + as_float(shifter)), shifter);
+  const IntLanes power = max_int(bit_and(bounded, splat(0x7F800000u)), splat(121u << 23));
+  const IntLanes shifter = add(power, splat(20u << 23));
+  const IntLanes units = sub(as_int(as_float(bounded) + as_float(shifter)), shifter);
   // 8 * (e + 6) = (bits of 2^e >> 20) - 8 * 121
   const IntLanes magnitude_code = add(units, sub(shift_right<20>(power), splat(8 * 121)));
   // bit 7 of magnitude_code is 0: its exponent is at most 15
-  return select_bits(splat(0x80), shift_right<24>(as_int(x)),
-                     where_nan(x, splat(0x7F), magnitude_code));
+  return select_bits(splat(0x80), shift_right<24>(as_int(x)), magnitude_code);
 }
 #endif
 
@@ -409,8 +414,7 @@ C10_ALWAYS_INLINE void quantize_float8_row(const in_t* x, int64_t dim, Float8Div
     const FloatVec row = load_as<float>(x + d, count);
     const FloatVec quotient =
         divisor.multiply ? row * FloatVec(divisor.reciprocal) : row / FloatVec(divisor.scale);
-    const FloatVec bounded = clamp_keeping_nan(quotient, -kFloat8E4M3Max, kFloat8E4M3Max);
-    store_low_bytes(float8_e4m3_codes(bounded), count, out + d);
+    store_low_bytes(float8_e4m3_codes(quotient), count, out + d);
   }
 #else
   for (int64_t d = 0; d < dim; ++d) {
