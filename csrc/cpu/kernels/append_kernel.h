@@ -104,14 +104,16 @@ C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
   _mm_mask_storeu_epi8(out, static_cast<__mmask16>((uint32_t(1) << count) - 1),
                        _mm512_cvtepi32_epi8(x));
 }
-// The lanes of four vectors, each an integer in [-128, 127], as bytes in one store: 4 x 16
-// in order. The packs work within 128-bit chunks, leaving 32-bit word 4j + i of their result
-// with chunk j of x[i], and one permute puts those words in order. Storing each vector's low
-// bytes takes two uops and a store per vector on Intel cores; this, four shuffles and one
-// store for the four.
+// The lanes of four vectors, each an integer in [-128, 127] (kUnsigned: in [0, 255]), as bytes in
+// one store: 4 x 16 in order. The packs work within 128-bit chunks, leaving 32-bit word 4j + i
+// of their result with chunk j of x[i], and one permute puts those words in order. Storing
+// each vector's low bytes takes two uops and a store per vector on Intel cores; this, four
+// shuffles and one store for the four.
+template <bool kUnsigned = false>
 C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
+  const __m512i words[2] = {_mm512_packs_epi32(x[0], x[1]), _mm512_packs_epi32(x[2], x[3])};
   const __m512i bytes =
-      _mm512_packs_epi16(_mm512_packs_epi32(x[0], x[1]), _mm512_packs_epi32(x[2], x[3]));
+      kUnsigned ? _mm512_packus_epi16(words[0], words[1]) : _mm512_packs_epi16(words[0], words[1]);
   const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_si512(out, _mm512_permutexvar_epi32(in_order, bytes));
 }
@@ -180,10 +182,13 @@ C10_ALWAYS_INLINE void store_low_bytes(IntLanes x, int64_t count, void* out) {
     std::memcpy(out, bytes, count);
   }
 }
-// 4 x 8 lanes, each an integer in [-128, 127], as bytes in order (see the AVX-512 version).
+// 4 x 8 lanes, each an integer in [-128, 127] (kUnsigned: in [0, 255]), as bytes in order (see
+// the AVX-512 version).
+template <bool kUnsigned = false>
 C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
+  const __m256i words[2] = {_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3])};
   const __m256i bytes =
-      _mm256_packs_epi16(_mm256_packs_epi32(x[0], x[1]), _mm256_packs_epi32(x[2], x[3]));
+      kUnsigned ? _mm256_packus_epi16(words[0], words[1]) : _mm256_packs_epi16(words[0], words[1]);
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(static_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, in_order));
 }
@@ -409,12 +414,19 @@ C10_ALWAYS_INLINE void quantize_float8_row(const in_t* x, int64_t dim, Float8Div
                                            c10::Float8_e4m3fn* out) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t kWidth = FloatVec::size();
-  for (int64_t d = 0; d < dim; d += kWidth) {
+  const auto quotient = [&](const FloatVec& row) {
+    return divisor.multiply ? row * FloatVec(divisor.reciprocal) : row / FloatVec(divisor.scale);
+  };
+  int64_t d = 0;
+  for (; d + 4 * kWidth <= dim; d += 4 * kWidth) {
+    IntLanes codes[4];
+    for (int i = 0; i < 4; ++i)
+      codes[i] = float8_e4m3_codes(quotient(load_as<float>(x + d + i * kWidth, kWidth)));
+    store_bytes_of_4<true>(codes, out + d);
+  }
+  for (; d < dim; d += kWidth) {
     const int64_t count = std::min(kWidth, dim - d);
-    const FloatVec row = load_as<float>(x + d, count);
-    const FloatVec quotient =
-        divisor.multiply ? row * FloatVec(divisor.reciprocal) : row / FloatVec(divisor.scale);
-    store_low_bytes(float8_e4m3_codes(quotient), count, out + d);
+    store_low_bytes(float8_e4m3_codes(quotient(load_as<float>(x + d, count))), count, out + d);
   }
 #else
   for (int64_t d = 0; d < dim; ++d) {
