@@ -142,6 +142,18 @@ ISA_BUILDS = {
 }
 
 
+def run_python_under_isa(code: str, isa: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs `python -c code *args` in tests/ (so the test modules import) under
+    MHA_EXT_CPU_ISA=isa, capturing its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
+        capture_output=True,
+        text=True,
+        cwd=TESTS_DIR,
+    )
+
+
 def skip_unless_isa_rerun_adds(isa: str, *, compare_builds: bool) -> None:
     """Skips the calling test unless rerunning tests under MHA_EXT_CPU_ISA=isa can run here
     and covers what the suite does not: not from a suite already forced, not for an ISA this
@@ -157,12 +169,7 @@ def skip_unless_isa_rerun_adds(isa: str, *, compare_builds: bool) -> None:
     best = info["cpu_isa"]
     if ISA_BUILDS[isa] == ISA_BUILDS[best] if compare_builds else isa == best:
         pytest.skip(f"{isa} runs what this CPU's best ISA {best} runs, which the suite tests")
-    probe = subprocess.run(
-        [sys.executable, "-c", "import mha_ext"],
-        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
-        capture_output=True,
-        text=True,
-    )
+    probe = run_python_under_isa("import mha_ext", isa)
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
         pytest.skip(f"this CPU cannot run {isa}: {reason}")

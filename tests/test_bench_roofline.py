@@ -5,9 +5,6 @@ fractions the suites and their tables report. Correctness only: no test asserts 
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,8 @@ import torch
 import mha_ext
 from mha_ext import _C
 from mha_ext.bench import report, roofline, suites
+
+from conftest import run_python_under_isa
 
 # The probes are CPU loops, and a GPU run has none.
 pytestmark = pytest.mark.cpu_only
@@ -39,12 +38,7 @@ print(json.dumps({"kinds": kinds, "avx2_refused": refused}))
 @functools.lru_cache(maxsize=None)
 def under_isa(isa):
     """CHILD's answer with MHA_EXT_CPU_ISA=isa; None where this CPU lacks the ISA."""
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
-        capture_output=True,
-        text=True,
-    )
+    result = run_python_under_isa(CHILD, isa)
     if result.returncode != 0 and (
         "this CPU does not support" in result.stderr or "not one of the compiled" in result.stderr
     ):

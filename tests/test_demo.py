@@ -246,6 +246,18 @@ def test_call_overhead_steps_are_timed_per_call(monkeypatch):
         assert entry["throughput"] == pytest.approx(case.work / 1e-4 / 1e9)
 
 
+def key_caches_read(monkeypatch, case, samples):
+    """The data pointers of the key caches mha_ext's paged_attention reads, in order, over
+    `samples` of the case's mha_ext steps."""
+    key_caches = []
+    monkeypatch.setattr(
+        suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
+    )
+    for _ in range(samples):
+        case.steps["mha_ext"]()
+    return [k_cache.data_ptr() for k_cache in key_caches]
+
+
 @pytest.mark.parametrize("cache_bytes, layers", [(0, 1), (3 * 16384, 6), (3 * 16384 + 1, 7)])
 def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cache_bytes, layers):
     # One layer of batch 2, 2 kv heads, context 16, head dim 32, fp32 K and V: 16 KiB. A CPU
@@ -260,13 +272,7 @@ def test_decode_case_cycles_through_layers_twice_the_cpu_cache(monkeypatch, cach
     # DECODE_CALLS_PER_SAMPLE; the naive attention one), reported per call.
     assert case.params["calls_per_sample"] == layers
     assert case.per_call == {"mha_ext": layers, "torch_sdpa": layers, "naive": 1}
-    key_caches = []
-    monkeypatch.setattr(
-        suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
-    )
-    for _ in range(2):
-        case.steps["mha_ext"]()
-    pointers = [k_cache.data_ptr() for k_cache in key_caches]
+    pointers = key_caches_read(monkeypatch, case, 2)
     assert len(pointers) == 2 * layers
     assert len(set(pointers)) == layers and pointers[:layers] == pointers[layers:]
 
@@ -276,13 +282,7 @@ def test_decode_samples_take_at_most_the_calls_per_sample(monkeypatch):
     monkeypatch.setattr(suites, "cpu_cache_bytes", lambda: 20 * 16384)
     case = suites._decode_case("tiny", 4, 2, 32, 16, torch.float32, torch.device("cpu"), batch=2)
     assert case.params["layers"] == 40 and suites.DECODE_CALLS_PER_SAMPLE == 16
-    key_caches = []
-    monkeypatch.setattr(
-        suites.functional, "paged_attention", lambda q, k_cache, *rest: key_caches.append(k_cache)
-    )
-    for _ in range(3):
-        case.steps["mha_ext"]()
-    pointers = [k_cache.data_ptr() for k_cache in key_caches]
+    pointers = key_caches_read(monkeypatch, case, 3)
     assert len(pointers) == 48 and len(set(pointers)) == 40 and pointers[40:] == pointers[:8]
     monkeypatch.setattr(
         suites,

@@ -5,7 +5,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,12 @@ from torch.utils import cpp_extension
 
 import mha_ext
 
-from conftest import ISA_BUILDS, assert_tests_pass_under_isa, skip_unless_isa_rerun_adds
+from conftest import (
+    ISA_BUILDS,
+    assert_tests_pass_under_isa,
+    run_python_under_isa,
+    skip_unless_isa_rerun_adds,
+)
 
 # Subprocess runs of CPU builds, resident memory and the CPU demo: nothing to repeat on CUDA.
 pytestmark = pytest.mark.cpu_only
@@ -21,11 +25,6 @@ pytestmark = pytest.mark.cpu_only
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 X86 = platform.machine() in ("x86_64", "AMD64")
-
-
-def run_python(code, isa):
-    env = {**os.environ, "MHA_EXT_CPU_ISA": isa}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_build_info_reports_what_was_compiled():
@@ -88,14 +87,14 @@ def test_isa_beyond_this_cpu_is_a_clear_error():
     beyond = info["cpu_isas"][info["cpu_isas"].index(info["cpu_isa"]) + 1 :]
     if not beyond:
         pytest.skip(f"this CPU runs every compiled ISA up to {info['cpu_isa']}")
-    result = run_python("import mha_ext; mha_ext.build_info()", beyond[-1])
+    result = run_python_under_isa("import mha_ext; mha_ext.build_info()", beyond[-1])
     assert result.returncode != 0
     expected = f"MHA_EXT_CPU_ISA={beyond[-1]} but this CPU does not support {beyond[-1]}"
     assert expected in result.stderr
 
 
 def test_unknown_isa_is_a_clear_error():
-    result = run_python("import mha_ext; mha_ext.build_info()", "sse9")
+    result = run_python_under_isa("import mha_ext; mha_ext.build_info()", "sse9")
     assert result.returncode != 0
     assert "MHA_EXT_CPU_ISA=sse9 is not one of the compiled ISAs (generic" in result.stderr
 

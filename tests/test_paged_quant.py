@@ -1,11 +1,6 @@
 """8-bit paged KV caches (int8 with per-row scales, float8_e4m3fn with per-tensor scales):
 exact quantizing appends, paged attention over the values the cache holds, bad input."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,6 +16,7 @@ from conftest import (
     OUTPUT_FACTOR,
     assert_tests_pass_under_isa,
     assert_within_rule,
+    run_python_under_isa,
     seeded_generator,
     skip_unless_isa_rerun_adds,
 )
@@ -509,13 +505,7 @@ def test_avx512_levels_choose_the_int8_path(tmp_path):
     outputs = {}
     for isa in ("avx512", "avx512_vnni", "avx512_bf16"):
         path = tmp_path / f"{isa}.pt"
-        result = subprocess.run(
-            [sys.executable, "-c", INT8_DECODE_CHILD, str(path)],
-            env={**os.environ, "MHA_EXT_CPU_ISA": isa},
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-        )
+        result = run_python_under_isa(INT8_DECODE_CHILD, isa, str(path))
         if "this CPU does not support" in result.stderr:
             if isa == "avx512_bf16":
                 continue

@@ -333,10 +333,8 @@ def _decode_case(
     calls = {}
 
     def rotating(name, step, count=min(layers, DECODE_CALLS_PER_SAMPLE)):
-        # a timed sample: step(layer) on each of the next `count` layers
-        next_layer = itertools.cycle(range(layers))
         calls[name] = count
-        return _repeated(lambda: step(next(next_layer)), count)
+        return _layer_samples(step, layers, count)
 
     steps = {
         "mha_ext": rotating(
@@ -479,11 +477,10 @@ def _quantized_decode_case(
     one_query_each = torch.arange(batch + 1, dtype=torch.int32, device=device)
     calls = min(layers, DECODE_CALLS_PER_SAMPLE)
 
-    def decode(contender):  # a timed sample: the decode of each of the next `calls` layers
-        cache, next_layer = caches[contender], itertools.cycle(range(layers))
+    def decode(contender):
+        cache = caches[contender]
 
-        def step():
-            layer = next(next_layer)
+        def step(layer):
             functional.paged_attention(
                 queries[contender],
                 cache.key_caches[layer],
@@ -494,7 +491,7 @@ def _quantized_decode_case(
                 **cache.scale_arguments(layer),
             )
 
-        return _repeated(step, calls)
+        return _layer_samples(step, layers, calls)
 
     params = {
         "model": name,
@@ -994,6 +991,13 @@ def _repeated(step, calls):
             step()
 
     return run
+
+
+def _layer_samples(step, layers, calls):
+    """A timed sample of a decode case: step(layer) on each of the next `calls` layers, cycling
+    through `layers`."""
+    next_layer = itertools.cycle(range(layers))
+    return _repeated(lambda: step(next(next_layer)), calls)
 
 
 def build_cases(
