@@ -2,7 +2,9 @@
 // alone: on a CPU that powers its AMX unit down when idle, the product pays the wake-up. A
 // kernel that runs a few tile products per work item between longer vector passes (the
 // paged decode's scores) pays it every time. One thread, a tile configuration of 16 rows x 64
-// bytes; each product loads two tiles from L1, runs TDPBSSD and stores the result.
+// bytes; each product loads two tiles from L1, runs TDPBSSD and stores the result. A second
+// table keeps the unit awake through the vector work: one TDPBSSD on tiles loaded once
+// (no loads, no store) every `keep-awake` FMA steps, and then the same product as above.
 //
 //   build/cmake/amx_wake        (x86-64; prints a line and exits 0 without AMX-INT8;
 //                                --smoke: a few rounds, as ctest runs it)
@@ -35,16 +37,24 @@ bool amx_int8_granted() {
 }
 
 // Nanoseconds per round of `steps` steps of 8 independent FMA chains (a step is 8 FMAs),
-// followed by one tile product where `with_tiles`.
+// followed by one tile product where `with_tiles`; with keep_awake_steps > 0, a product of
+// tiles 4 and 5 into tile 6 after every keep_awake_steps steps.
 __attribute__((target("avx512f,amx-tile,amx-int8"))) double round_ns(int steps, int rounds,
-                                                                     bool with_tiles) {
+                                                                     bool with_tiles,
+                                                                     int keep_awake_steps = 0) {
   __m512 acc[8];
   for (__m512& a : acc) a = _mm512_set1_ps(1.f);
   const __m512 x = _mm512_set1_ps(0.999f);
+  asm volatile("" ::: "memory");
+  _tile_loadd(4, a_tile, 64);
+  _tile_loadd(5, b_tile, 64);
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < rounds; ++r) {
     for (int s = 0; s < steps; ++s) {
       for (__m512& a : acc) a = _mm512_fmadd_ps(a, x, x);
+      if (keep_awake_steps > 0 && s % keep_awake_steps == keep_awake_steps - 1) {
+        _tile_dpbssd(6, 4, 5);
+      }
     }
     if (with_tiles) {
       asm volatile("" ::: "memory");  // the tile loads' statements name no memory
@@ -91,6 +101,17 @@ int main(int argc, char** argv) {
       tiles = std::min(tiles, round_ns(steps, rounds, true));
     }
     std::printf("%12d %14.1f %16.1f %12.1f\n", steps, vector, tiles, tiles - vector);
+  }
+  constexpr int kSteps = 400;
+  std::printf("\n%d FMA steps, kept awake:\n%12s %14s %16s %12s\n", kSteps, "keep-awake",
+              "vector ns", "+ tile product", "difference");
+  for (int keep_awake_steps : {25, 50, 100, 200}) {
+    double vector = 1e30, tiles = 1e30;
+    for (int run = 0; run < 2; ++run) {
+      vector = std::min(vector, round_ns(kSteps, rounds, false, keep_awake_steps));
+      tiles = std::min(tiles, round_ns(kSteps, rounds, true, keep_awake_steps));
+    }
+    std::printf("%12d %14.1f %16.1f %12.1f\n", keep_awake_steps, vector, tiles, tiles - vector);
   }
   release_tiles();
   return 0;
