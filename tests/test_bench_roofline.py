@@ -11,7 +11,7 @@ import torch
 
 import mha_ext
 from mha_ext import _C
-from mha_ext.bench import report, roofline, suites
+from mha_ext.bench import report, roofline, suites, timing
 
 from conftest import run_python_under_isa
 
@@ -336,3 +336,22 @@ def test_decode_times_the_streaming_read_in_rounds_with_it(monkeypatch):
         case.work / 0.001 / 1e9 / 2.0
     )
     assert result["peak"] is None and "peak_fraction" not in result["results"]["mha_ext"]
+
+
+def test_before_each_runs_ahead_of_every_timed_step_outside_its_timing(monkeypatch):
+    # The flatness case's eviction (cold_steps) precedes each step, the warm-up excepted, and is
+    # not inside any step's timed call.
+    order = []
+
+    def recording_elapsed(step, device):
+        order.append("timed start")
+        step()
+        return 0.0
+
+    monkeypatch.setattr(timing, "_elapsed_seconds", recording_elapsed)
+    steps = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    samples = timing.interleaved_seconds(
+        steps, warmup=1, repeats=2, before_each=lambda: order.append("evict")
+    )
+    assert order == ["a", "b"] + ["evict", "timed start", "a", "evict", "timed start", "b"] * 2
+    assert samples == {"a": [0.0, 0.0], "b": [0.0, 0.0]}

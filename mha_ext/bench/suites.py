@@ -130,6 +130,11 @@ class Case:
     steps: Dict[str, Callable[[], None]]
     baseline: str = "torch_sdpa"
     interleave: bool = True
+    # Whether every step (the probe's too) is timed right after an untimed run of the case's
+    # roofline probe, so that each starts from the caches and TLB the probe's read leaves:
+    # interleaved with the probe in a fixed order, the step after it starts colder than the
+    # others in every round.
+    cold_steps: bool = False
     per_call: Dict[str, int] = field(default_factory=dict)  # calls per step, for per-call times
     # Contender -> the work of its step where it differs from `work` (e.g. the bytes of a cache
     # in another dtype).
@@ -598,7 +603,11 @@ def _append_flatness_case(
     one holding `short` (the baseline), the two caches alive together and their steps
     interleaved: the ratio of the two contexts (the append's flatness) from one run, where the
     per-context cases, timed one after another, read whatever the machine's load did between
-    them (32k / 512 read 0.64 and 1.63 in two runs on one idle Xeon)."""
+    them (32k / 512 read 0.64 and 1.63 in two runs on one idle Xeon). Each step is timed after
+    the streaming read (cold_steps), as a decode step's append follows the other layers' work:
+    interleaved with the read in a fixed order, the context timed right after it read 1.2-1.4x
+    the other's time per token whichever it was (Xeon model 167, 32768 against 512: 1.21-1.37
+    first, 0.69-0.76 second), and 0.94-1.02 with the read before each."""
     long_step, key, _ = _paged_append_step(long, device, batch, kv_heads, head_dim, block_size)
     short_step, _, _ = _paged_append_step(short, device, batch, kv_heads, head_dim, block_size)
     params = {
@@ -620,6 +629,7 @@ def _append_flatness_case(
         {"mha_ext": long_step, APPEND_SHORT_CONTEXT: short_step},
         baseline=APPEND_SHORT_CONTEXT,
         per_call=dict.fromkeys(("mha_ext", APPEND_SHORT_CONTEXT), APPEND_TOKENS_PER_RUN),
+        cold_steps=True,
     )
 
 
@@ -1165,7 +1175,8 @@ def run_case(
         steps[PEAK_PROBE] = peak_probe.step
     samples = {}
     if case.interleave:
-        samples = interleaved_seconds(steps, warmup=1, repeats=repeats, device=device)
+        cold = {"before_each": probe.step} if case.cold_steps and probe else {}
+        samples = interleaved_seconds(steps, warmup=1, repeats=repeats, device=device, **cold)
         seconds = {name: statistics.median(times) for name, times in samples.items()}
     else:
         seconds = {}

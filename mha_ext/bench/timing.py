@@ -5,7 +5,7 @@ every measurement synchronises."""
 
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -28,9 +28,11 @@ def interleaved_seconds(
     warmup: int = 1,
     repeats: int = 5,
     device: torch.device = torch.device("cpu"),
+    before_each: Optional[Callable[[], None]] = None,
 ) -> Dict[str, List[float]]:
     """Wall time (device time on CUDA) of each step in each repeat, the steps run interleaved:
-    entry i of every list comes from the same repeat."""
+    entry i of every list comes from the same repeat. before_each, untimed, runs before every
+    timed step."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -39,6 +41,8 @@ def interleaved_seconds(
     samples = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
+            if before_each is not None:
+                before_each()
             samples[name].append(_elapsed_seconds(step, device))
     return samples
 
