@@ -79,7 +79,6 @@ C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm512_cvttps_ep
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm512_castps_si512(x); }
 C10_ALWAYS_INLINE FloatVec as_float(IntLanes x) { return _mm512_castsi512_ps(x); }
 C10_ALWAYS_INLINE IntLanes splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-C10_ALWAYS_INLINE IntLanes load_lanes(const void* src) { return _mm512_loadu_si512(src); }
 C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm512_and_si512(a, b); }
 C10_ALWAYS_INLINE IntLanes bit_or(IntLanes a, IntLanes b) { return _mm512_or_si512(a, b); }
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm512_add_epi32(a, b); }
@@ -176,9 +175,6 @@ C10_ALWAYS_INLINE IntLanes truncate_to_int(FloatVec x) { return _mm256_cvttps_ep
 C10_ALWAYS_INLINE IntLanes as_int(FloatVec x) { return _mm256_castps_si256(x); }
 C10_ALWAYS_INLINE FloatVec as_float(IntLanes x) { return _mm256_castsi256_ps(x); }
 C10_ALWAYS_INLINE IntLanes splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
-C10_ALWAYS_INLINE IntLanes load_lanes(const void* src) {
-  return _mm256_loadu_si256(static_cast<const __m256i*>(src));
-}
 C10_ALWAYS_INLINE IntLanes bit_and(IntLanes a, IntLanes b) { return _mm256_and_si256(a, b); }
 C10_ALWAYS_INLINE IntLanes bit_or(IntLanes a, IntLanes b) { return _mm256_or_si256(a, b); }
 C10_ALWAYS_INLINE IntLanes add(IntLanes a, IntLanes b) { return _mm256_add_epi32(a, b); }
@@ -239,27 +235,17 @@ C10_ALWAYS_INLINE void store_bytes_of_4(const IntLanes (&x)[4], void* out) {
 }
 #endif
 
-// A vector of bf16 pairs (each 32-bit lane two elements, the even one in its low half) as two
-// fp32 vectors, its even elements and its odd ones: a bf16 is the high half of the fp32 of the
-// same value. One load and two bit operations widen two vectors' elements, where widening them
-// in order takes a shuffle and a shift per vector.
-C10_ALWAYS_INLINE FloatVec even_elements(IntLanes pairs) { return as_float(shift_left<16>(pairs)); }
-C10_ALWAYS_INLINE FloatVec odd_elements(IntLanes pairs) {
-  return as_float(bit_and(pairs, splat(0xFFFF0000u)));
-}
-
 // The float8_e4m3fn codes of min(m, 448) for magnitudes m (sign bit clear; NaN stays NaN), in
 // each lane's low 7 bits: rounded to nearest, ties to even, as c10 converts.
 //
 // m is bounded first: to 448 by MINPS, which passes a NaN (its second operand), then a NaN to
 // 480 by an integer minimum (non-negative floats order as their bits do); 480 encodes below as
-// 0x7F, e4m3fn's NaN. m in [2^e, 2^(e + 1)) plus s = 2^(e + 20) is
-// s plus a whole number of s's units in the last place, 2^(e - 3): fp32's own rounding (to
-// nearest, ties to even) rounds m to e4m3's 3 mantissa bits, and the sum's bits minus s's
-// count the units, 8..16 (16: a tie carried into 2^(e + 1), as in e4m3). Below 2^-6, e4m3's
-// subnormals, e stays -6: units of 2^-9, 0..8. The code is then 8 * (e + 6) + units. Bounding
-// the magnitude rather than x drops the clamp's lower bound, the NaN check and the shifter's
-// sign.
+// 0x7F, e4m3fn's NaN. m in [2^e, 2^(e + 1)) plus s = 2^(e + 20) is s plus a whole number of
+// s's units in the last place, 2^(e - 3): fp32's own rounding (to nearest, ties to even)
+// rounds m to e4m3's 3 mantissa bits, and the sum's bits minus s's count the units, 8..16 (16:
+// a tie carried into 2^(e + 1), as in e4m3). Below 2^-6, e4m3's subnormals, e stays -6: units
+// of 2^-9, 0..8. The code is then 8 * (e + 6) + units. Bounding the magnitude rather than x
+// drops the clamp's lower bound, the NaN check and the shifter's sign.
 C10_ALWAYS_INLINE IntLanes float8_e4m3_magnitude_codes(FloatVec magnitude) {
   const IntLanes bounded =
       min_int(as_int(at_most_keeping_nan(magnitude, kFloat8E4M3Max)), splat(0x43F00000u));  // 480
@@ -297,12 +283,12 @@ C10_ALWAYS_INLINE FloatVec lane_absmax(const in_t* x, int64_t dim) {
     // through the fp32 loop below, which skips NaNs.
     IntLanes max_bits = splat(0);
     for (; d + 2 * kWidth <= dim; d += 2 * kWidth) {
-      max_bits = max_int16(max_bits, bit_and(load_lanes(x + d), splat(0x7FFF7FFFu)));
+      max_bits = max_int16(max_bits, bit_and(load_bf16_pairs(x + d), splat(0x7FFF7FFFu)));
     }
     if (any_int16_above(max_bits, 0x7F80)) {
       d = 0;
     } else {
-      lane_max = max_skipping_nan(even_elements(max_bits), odd_elements(max_bits));
+      lane_max = max_skipping_nan(even_bf16_elements(max_bits), odd_bf16_elements(max_bits));
     }
   }
   for (; d + kWidth <= dim; d += kWidth) {
@@ -372,7 +358,7 @@ C10_ALWAYS_INLINE void quantize_int8_row(const in_t* x, int64_t dim, float scale
   // against a vector at a time, each storing its own low bytes, 0.82-0.86 -> 0.72-0.76 us per
   // token for a decode step's append (8 sequences x 8 kv heads x D128 bf16, one thread, Xeon
   // model 207), 0.55-0.58 -> 0.46-0.48 at 16 tokens per sequence. bf16 rows widen in pairs
-  // (even_elements), and each pair's two quotients join as 16-bit halves in order; with the
+  // (even_bf16_elements), and each pair's two quotients join as 16-bit halves in order; with the
   // bf16 absmax in 16-bit integers (lane_absmax), the same harness as the fp8 append's below
   // (Xeon model 167): 0.84-0.86 -> 0.66-0.72 us per token at MHA_EXT_CPU_ISA=avx2 (2.2x ->
   // 1.8x the bf16 append), 0.66-0.71 -> 0.62-0.64 at avx512_amx.
@@ -381,9 +367,9 @@ C10_ALWAYS_INLINE void quantize_int8_row(const in_t* x, int64_t dim, float scale
     if constexpr (std::is_same_v<in_t, c10::BFloat16>) {
       IntLanes words[2];
       for (int i = 0; i < 2; ++i) {
-        const IntLanes pairs = load_lanes(x + d + 2 * i * kWidth);
-        const IntLanes even = estimated_quotient(even_elements(pairs), reciprocal, farthest);
-        const IntLanes odd = estimated_quotient(odd_elements(pairs), reciprocal, farthest);
+        const IntLanes pairs = load_bf16_pairs(x + d + 2 * i * kWidth);
+        const IntLanes even = estimated_quotient(even_bf16_elements(pairs), reciprocal, farthest);
+        const IntLanes odd = estimated_quotient(odd_bf16_elements(pairs), reciprocal, farthest);
         words[i] = join_halves(even, shift_left<16>(odd));
       }
       if (!needs_division(farthest)) {
@@ -524,7 +510,7 @@ C10_ALWAYS_INLINE void quantize_float8_row(const in_t* x, int64_t dim, Float8Div
   };
   int64_t d = 0;
   if constexpr (std::is_same_v<in_t, c10::BFloat16>) {
-    // Widened in pairs (even_elements) from their magnitudes' bits; each pair's codes join as
+    // Widened in pairs (even_bf16_elements) from their magnitudes' bits; each pair's codes join as
     // 16-bit halves in order, the elements' signs taken from their bits. Against the loop
     // below (a shuffle and a shift per vector to widen, the sign joined per vector): a decode
     // step's append (8 sequences x 8 kv heads x D128 bf16, one thread, Xeon model 167, a
@@ -535,10 +521,10 @@ C10_ALWAYS_INLINE void quantize_float8_row(const in_t* x, int64_t dim, Float8Div
     for (; d + 4 * kWidth <= dim; d += 4 * kWidth) {
       IntLanes words[2];
       for (int i = 0; i < 2; ++i) {
-        const IntLanes pairs = load_lanes(x + d + 2 * i * kWidth);
+        const IntLanes pairs = load_bf16_pairs(x + d + 2 * i * kWidth);
         const IntLanes magnitudes = bit_and(pairs, splat(0x7FFF7FFFu));
-        const IntLanes even = float8_e4m3_magnitude_codes(quotient(even_elements(magnitudes)));
-        const IntLanes odd = float8_e4m3_magnitude_codes(quotient(odd_elements(magnitudes)));
+        const IntLanes even = float8_e4m3_magnitude_codes(quotient(even_bf16_elements(magnitudes)));
+        const IntLanes odd = float8_e4m3_magnitude_codes(quotient(odd_bf16_elements(magnitudes)));
         const IntLanes signs = bit_and(shift_right<8>(pairs), splat(0x00800080u));  // bits 7, 23
         words[i] = bit_or(bit_or(even, shift_left<16>(odd)), signs);
       }

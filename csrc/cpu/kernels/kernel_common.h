@@ -181,6 +181,40 @@ C10_ALWAYS_INLINE void softmax_exp2s_avx2(__m256 (&y)[kCount]) {
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// A vector of bf16 pairs: each 32-bit lane holds two elements, the even one in its low half.
+#if defined(CPU_CAPABILITY_AVX512)
+using Bf16Pairs = __m512i;
+C10_ALWAYS_INLINE Bf16Pairs load_bf16_pairs(const c10::BFloat16* src) {
+  return _mm512_loadu_si512(src);
+}
+#else
+using Bf16Pairs = __m256i;
+C10_ALWAYS_INLINE Bf16Pairs load_bf16_pairs(const c10::BFloat16* src) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+}
+#endif
+
+// The pairs' even elements and their odd ones as fp32 vectors: a bf16 is the high half of the
+// fp32 of the same value, so shifting each lane left by 16 gives its low element and clearing
+// its low half its high one. One load and two bit operations widen two vectors' elements,
+// where widening them in order takes a shuffle and a shift per vector.
+C10_ALWAYS_INLINE at::vec::Vectorized<float> even_bf16_elements(Bf16Pairs pairs) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+#endif
+}
+C10_ALWAYS_INLINE at::vec::Vectorized<float> odd_bf16_elements(Bf16Pairs pairs) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
+}
+
 // 2^n for integer-valued n (|n| <= 126): VSCALEFPS, or n + 127 shifted into the exponent field.
 inline at::vec::Vectorized<float> exp2_of_integer(const at::vec::Vectorized<float>& n) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -531,25 +531,14 @@ struct SweepRequests {
   }
 };
 
-#if defined(CPU_CAPABILITY_AVX512)
-// src[0, 32) as fp32, the even elements in `even` and the odd ones in `odd`: a bf16 is the
-// high half of the fp32 of the same value, so shifting each 32-bit lane left by 16 gives its
-// low element and clearing the lane's low half its high one.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// src[0, 2 * vector width) as fp32, the even elements in `even` and the odd ones in `odd`
+// (even_bf16_elements).
 C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, at::vec::Vectorized<float>& even,
                                         at::vec::Vectorized<float>& odd) {
-  const __m512i raw = _mm512_loadu_si512(src);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-  odd =
-      _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-// src[0, 16) as fp32, as the AVX-512 version does for 32.
-C10_ALWAYS_INLINE void widen_bf16_pairs(const c10::BFloat16* src, at::vec::Vectorized<float>& even,
-                                        at::vec::Vectorized<float>& odd) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  odd =
-      _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const Bf16Pairs pairs = load_bf16_pairs(src);
+  even = even_bf16_elements(pairs);
+  odd = odd_bf16_elements(pairs);
 }
 #endif
 
