@@ -230,6 +230,17 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def cancel_scale(score_scale, reference_out, grad_out, q, k, dropout_p: float = 0.0) -> float:
+    """same_grads' cancel_scale: |score_scale| x max rowsum(|dO * O|) x max(|q|, |k|), with
+    dropout's 1 / (1 - p). The rows run along the output's last dim, its value dim in every
+    layout."""
+    if reference_out.numel() == 0:
+        return 0.0
+    delta = (reference_out.abs() * grad_out.double().abs()).sum(-1).max().item()
+    largest = max((x.detach().abs().max().item() for x in (q, k) if x.numel()), default=0.0)
+    return abs(score_scale) * delta * largest / (1.0 - dropout_p)
+
+
 def same_grads(kernel, reference, plain, what, length: int = 1, cancel_scale: float = 0.0):
     """Gradient lists (None for a leaf nothing reached) by the rule. Each may be off by one
     unit of the inputs' dtype at the largest reference gradient or at cancel_scale (check_rule's

@@ -10,7 +10,7 @@ from hypothesis import given, note
 import mha_ext
 
 from conftest import OUTPUT_FACTOR
-from fuzz_strategies import check_rule, dense_cases, fuzz_settings, same_grads
+from fuzz_strategies import cancel_scale, check_rule, dense_cases, fuzz_settings, same_grads
 
 
 def run_attention(case, operands):
@@ -21,17 +21,6 @@ def run_attention(case, operands):
     if operands.sinks is not None:
         grads.append(operands.sinks.grad)
     return out.detach(), lse.detach(), grads
-
-
-def cancel_scale(case, operands, reference_out) -> float:
-    """same_grads' cancel_scale: |scale| x max rowsum(|dO * O|) x max(|q|, |k|), dropout's
-    1 / (1 - p) included."""
-    if reference_out.numel() == 0:
-        return 0.0
-    score_scale = abs(case.scale if case.scale is not None else case.head_dim**-0.5)
-    delta = (reference_out.abs() * operands.grad_out.double().abs()).sum(-1).max().item()
-    largest = max(t.detach().abs().max().item() if t.numel() else 0.0 for t in operands.leaves[:2])
-    return score_scale * delta * largest / (1.0 - case.dropout_p)
 
 
 def largest_score(case, operands) -> float:
@@ -53,7 +42,9 @@ def check_against_reference(case, operands, result, dropout_keep=None):
     check_rule(out, truth[0], plain[0], OUTPUT_FACTOR, "out", score_scale=scores)
     check_rule(lse, truth[1], plain[1], OUTPUT_FACTOR, "lse", score_scale=scores)
     length = max(case.head_dim, case.head_dim_v)
-    cancel = cancel_scale(case, operands, truth[0])
+    score_scale = case.scale if case.scale is not None else case.head_dim**-0.5
+    q, k = operands.leaves[:2]
+    cancel = cancel_scale(score_scale, truth[0], operands.grad_out, q, k, case.dropout_p)
     same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel)
 
 

@@ -7,7 +7,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from hypothesis import event, given, note
+from hypothesis import event, example, given, note
 from test_flash_attn_interface import fa_reference, varlen_reference
 
 import mha_ext
@@ -16,7 +16,9 @@ from mha_ext.reference import attention_reference
 
 from conftest import OUTPUT_FACTOR
 from fuzz_strategies import (
+    SdpaCase,
     accumulate_dtype,
+    cancel_scale,
     check_rule,
     flash_cases,
     fuzz_settings,
@@ -27,6 +29,11 @@ from fuzz_strategies import (
 )
 
 
+def grad_weights(shape, grad_seed):
+    """The output gradient outcome() takes, in fp32."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(grad_seed))
+
+
 def outcome(sdpa, args, kwargs, grad_seed):
     """(out, grads of q, k, v) of sdpa, or (the exception it raised, None)."""
     leaves = [x.detach().clone().requires_grad_() for x in args]
@@ -34,12 +41,33 @@ def outcome(sdpa, args, kwargs, grad_seed):
         out = sdpa(*leaves, **kwargs)
     except Exception as error:  # the class is what is compared
         return error, None
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed))
+    weights = grad_weights(out.shape, grad_seed)
     grads = torch.autograd.grad(out, leaves, weights.to(out.dtype), allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
     return out.detach(), grads
 
 
+# Found by the long profile: grad_q of a row whose output sits within a bf16 unit of one
+# value row, scale 2; the kernel's delta reads the output rounded to bf16, as FlashAttention's
+# does, which the tolerance had not allowed for.
+@example(
+    case=SdpaCase(
+        q_lead=(),
+        k_lead=(),
+        v_lead=(),
+        seq_q=2,
+        seq_k=2,
+        head_dim=2,
+        head_dim_v=2,
+        dtype=torch.bfloat16,
+        mask_shape=None,
+        mask_dtype="bool",
+        is_causal=True,
+        scale=2.0,
+        enable_gqa=False,
+        seed=0,
+    )
+)
 @fuzz_settings(200)
 @given(case=sdpa_cases())
 def test_sdpa_matches_torch_or_raises_as_torch_does(case):
@@ -73,7 +101,10 @@ def test_sdpa_matches_torch_or_raises_as_torch_does(case):
         actual[defined], truth[defined], plain[defined], OUTPUT_FACTOR, "out", score_scale=scores
     )
     if defined.all():
-        same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", case.head_dim)
+        grad_out = grad_weights(truth.shape, case.seed).to(case.dtype)
+        cancel = cancel_scale(scale, truth, grad_out, *args[:2])
+        length = max(case.head_dim, case.head_dim_v)
+        same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", length, cancel)
 
 
 @fuzz_settings(100)
@@ -112,7 +143,10 @@ def test_flash_attn_functions_match_reference(case):
     truth, plain = reference(torch.float64), reference(case.dtype)
     check_rule(out.detach(), truth[0], plain[0], OUTPUT_FACTOR, "out")
     check_rule(lse.detach(), truth[1], plain[1].float(), OUTPUT_FACTOR, "lse")
-    same_grads(grads, truth[2], plain[2], "grad (leaves)", max(case.head_dim, case.head_dim_v))
+    q, k, _ = case.unpacked(t["leaves"])
+    cancel = cancel_scale(case.head_dim**-0.5, truth[0], t["grad_out"], q, k)
+    length = max(case.head_dim, case.head_dim_v)
+    same_grads(grads, truth[2], plain[2], "grad (leaves)", length, cancel)
 
 
 def kvcache_expected(case, args, dtype):
