@@ -16,6 +16,7 @@ from mha_ext.reference import attention_reference
 
 from conftest import OUTPUT_FACTOR
 from fuzz_strategies import (
+    ModuleCase,
     SdpaCase,
     accumulate_dtype,
     cancel_scale,
@@ -198,8 +199,9 @@ def test_with_kvcache_appends_in_place_and_attends(case):
     assert torch.equal(args["v_cache"], expected_v), "v_cache: not exactly the appended rows"
 
 
-def module_reference(layer, q, k, v, mask, is_causal):
-    """layer's forward with explicit scores (attention_reference) in the layer's dtype."""
+def module_attention(layer, q, k, v, mask, is_causal):
+    """The attention output that layer's forward projects by w_o, (B, S, heads * d_k), with
+    explicit scores (attention_reference) in the layer's dtype."""
     weights = dict(layer.named_parameters())
     batch = q.shape[0]
 
@@ -220,10 +222,36 @@ def module_reference(layer, q, k, v, mask, is_causal):
         alibi_slopes=None if slopes is None else slopes.to(accumulate_dtype(query.dtype)),
         sinks=None if layer.sinks is None else layer.sinks.to(accumulate_dtype(query.dtype)),
     )
-    out = out.transpose(1, 2).reshape(batch, q.shape[1], layer.num_heads * layer.d_k)
-    return torch.nn.functional.linear(out, weights["w_o.weight"], weights.get("w_o.bias"))
+    return out.transpose(1, 2).reshape(batch, q.shape[1], layer.num_heads * layer.d_k)
 
 
+def module_reference(layer, q, k, v, mask, is_causal):
+    """layer's forward with explicit scores (attention_reference) in the layer's dtype."""
+    out = module_attention(layer, q, k, v, mask, is_causal)
+    return torch.nn.functional.linear(out, layer.w_o.weight, layer.w_o.bias)
+
+
+# Found by the long profile: the output projection cancels (0.96 x 0.289 - 0.322) and
+# carries the attention output's bf16 rounding, half a unit of 0.29, into an output of 0.05.
+@example(
+    case=ModuleCase(
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        batch=1,
+        seq_q=3,
+        seq_k=193,
+        dtype=torch.bfloat16,
+        bias=True,
+        window=None,
+        softcap=0.0,
+        alibi=False,
+        sinks=True,
+        is_causal=True,
+        mask_shape=None,
+        seed=11210039,
+    )
+)
 @fuzz_settings(100)
 @given(case=module_cases())
 def test_module_forward_matches_float64_copy(case):
@@ -235,8 +263,13 @@ def test_module_forward_matches_float64_copy(case):
         copy64 = copy.deepcopy(t["layer"]).double()
         wide = [None if x is None or not x.is_floating_point() else x.double() for x in inputs]
         wide[3] = t["mask"]
-        truth = module_reference(copy64, *wide, case.is_causal)
+        attended = module_attention(copy64, *wide, case.is_causal)
+        truth = torch.nn.functional.linear(attended, copy64.w_o.weight, copy64.w_o.bias)
         plain = module_reference(t["layer"], *inputs, case.is_causal)
         # The float64 copy of the module runs the kernels in float64: the reference's values.
         torch.testing.assert_close(copy64(*wide, is_causal=case.is_causal), truth)
-    check_rule(out, truth, plain, OUTPUT_FACTOR, "out")
+        # The attention output is rounded to the layer's dtype before w_o, whose sums can
+        # cancel: half a unit of each of its elements reaches the output through |w_o|.
+        projected = attended.abs() @ copy64.w_o.weight.abs().T
+        unit_scale = projected.max().item() if projected.numel() else 0.0
+    check_rule(out, truth, plain, OUTPUT_FACTOR, "out", unit_scale=unit_scale)
