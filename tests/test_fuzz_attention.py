@@ -5,12 +5,20 @@ draws them; MHA_EXT_FUZZ=long runs many more)."""
 import math
 
 import torch
-from hypothesis import given, note
+from hypothesis import example, given, note
 
 import mha_ext
 
 from conftest import OUTPUT_FACTOR
-from fuzz_strategies import cancel_scale, check_rule, dense_cases, fuzz_settings, same_grads
+from fuzz_strategies import (
+    DenseCase,
+    cancel_scale,
+    check_rule,
+    dense_cases,
+    fuzz_settings,
+    same_grads,
+    sinks_delta_error,
+)
 
 
 def run_attention(case, operands):
@@ -45,9 +53,39 @@ def check_against_reference(case, operands, result, dropout_keep=None):
     score_scale = case.scale if case.scale is not None else case.head_dim**-0.5
     q, k = operands.leaves[:2]
     cancel = cancel_scale(score_scale, truth[0], operands.grad_out, q, k, case.dropout_p)
-    same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel)
+    sinks = sinks_delta_error(truth[0], out, truth[1], operands.grad_out, operands.sinks)
+    same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel, sinks)
 
 
+# Found by the long profile: grad_sinks sums p_sink delta over 64 rows whose delta reads
+# the bf16-rounded output (127 value dims each): 2% off, where plain PyTorch's bf16 autograd
+# happened to land within 0.3%.
+@example(
+    case=DenseCase(
+        batch=2,
+        heads=1,
+        kv_heads=1,
+        seq_q=32,
+        seq_k=48,
+        head_dim=127,
+        head_dim_v=127,
+        dtype=torch.bfloat16,
+        layouts=("padded", "broadcast", "padded"),
+        causal=None,
+        window=(0, 0),
+        mask=None,
+        mask_shape=(),
+        mask_expanded=False,
+        empty_rows=(),
+        scale=0.0,
+        softcap=0.0,
+        alibi="heads",
+        sinks=True,
+        dropout_p=0.0,
+        deterministic=None,
+        seed=239,
+    )
+)
 @fuzz_settings(150)
 @given(case=dense_cases())
 def test_attention_forward_and_backward_match_reference(case):
