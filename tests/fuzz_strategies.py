@@ -271,7 +271,8 @@ def same_grads(
 ):
     """Gradient lists (None for a leaf nothing reached) by the rule. Each may be off by one
     unit of the inputs' dtype at the largest reference gradient or at cancel_scale (check_rule's
-    unit_scale), and by rounding units of sums over `length` (head_dim) such terms.
+    unit_scale), and by rounding units of sums over `length` such terms: the longest of the
+    sums the gradients take, over head dims, query rows (grad_k, grad_v) or keys (grad_q).
     cancel_scale: the size of the terms whose difference a gradient is. grad_q and grad_k of
     one key are exactly 0 but come out of dP - delta, delta = rowsum(dO * O) over the output
     rounded to its dtype: |scale| * max rowsum(|dO * O|) * max(|q|, |k|) (6e-3 in bf16 with

@@ -104,7 +104,7 @@ def test_sdpa_matches_torch_or_raises_as_torch_does(case):
     if defined.all():
         grad_out = grad_weights(truth.shape, case.seed).to(case.dtype)
         cancel = cancel_scale(scale, truth, grad_out, *args[:2])
-        length = max(case.head_dim, case.head_dim_v)
+        length = max(case.head_dim, case.head_dim_v, case.seq_q, case.seq_k)
         same_grads(grads, truth_grads, plain_grads, "grad (q, k, v)", length, cancel)
 
 
@@ -146,7 +146,7 @@ def test_flash_attn_functions_match_reference(case):
     check_rule(lse.detach(), truth[1], plain[1].float(), OUTPUT_FACTOR, "lse")
     q, k, _ = case.unpacked(t["leaves"])
     cancel = cancel_scale(case.head_dim**-0.5, truth[0], t["grad_out"], q, k)
-    length = max(case.head_dim, case.head_dim_v)
+    length = max(case.head_dim, case.head_dim_v, *case.q_lens, *case.k_lens)
     same_grads(grads, truth[2], plain[2], "grad (leaves)", length, cancel)
 
 
