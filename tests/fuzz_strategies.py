@@ -233,6 +233,15 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def key_sums(values, keys: int) -> Tuple[float, float]:
+    """check_rule's sum_scale for an output and for its logsumexp, sums over `keys` keys:
+    their rounding grows like the square root of the count, for the output at the size of the
+    values it weighs (float64 has no plain PyTorch error to lean on: its reference is the
+    same computation)."""
+    size = values.detach().abs().max().item() if values.numel() else 0.0
+    return size * math.sqrt(max(keys, 1)), math.sqrt(max(keys, 1))
+
+
 def cancel_scale(score_scale, reference_out, grad_out, q, k, dropout_p: float = 0.0) -> float:
     """same_grads' cancel_scale: |score_scale| x max rowsum(|dO * O|) x max(|q|, |k|), with
     dropout's 1 / (1 - p). The rows run along the output's last dim, its value dim in every
