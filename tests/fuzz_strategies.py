@@ -233,6 +233,18 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def score_extent(qk_size: float, alibi_slopes, rows: int, keys: int, sinks) -> float:
+    """check_rule's score_scale: the largest |score| a call's exps take, from qk_size (the
+    largest |scale q . k|) plus ALiBi's largest bias (slope x distance, at most rows + keys),
+    or the largest |sink| logit where that is larger."""
+    extent = qk_size
+    if alibi_slopes is not None and alibi_slopes.numel():
+        extent += alibi_slopes.detach().abs().max().item() * (rows + keys)
+    if sinks is not None and sinks.numel():
+        extent = max(extent, sinks.detach().abs().max().item())
+    return extent
+
+
 def key_sums(values, keys: int) -> Tuple[float, float]:
     """check_rule's sum_scale for an output and for its logsumexp, sums over `keys` keys:
     their rounding grows like the square root of the count, for the output at the size of the

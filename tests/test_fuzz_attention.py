@@ -18,6 +18,7 @@ from fuzz_strategies import (
     fuzz_settings,
     key_sums,
     same_grads,
+    score_extent,
     sinks_delta_error,
 )
 
@@ -47,7 +48,9 @@ def check_against_reference(case, operands, result, dropout_keep=None):
     truth = case.reference(operands, torch.float64, dropout_keep)
     plain = case.reference(operands, case.dtype, dropout_keep)
     assert out.dtype == case.dtype and out.shape == truth[0].shape
-    scores = largest_score(case, operands)
+    scores = score_extent(
+        largest_score(case, operands), operands.alibi_slopes, case.seq_q, case.seq_k, operands.sinks
+    )
     out_sums, lse_sums = key_sums(operands.v, case.seq_k)
     check_rule(
         out, truth[0], plain[0], OUTPUT_FACTOR, "out", sum_scale=out_sums, score_scale=scores
@@ -63,6 +66,34 @@ def check_against_reference(case, operands, result, dropout_keep=None):
     same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel, sinks)
 
 
+# Found by the long profile at the avx2 level: a float64 logsumexp whose scores are mostly
+# ALiBi's bias (up to 60 slopes), which the rule's score size had left out.
+@example(
+    case=DenseCase(
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        seq_q=61,
+        seq_k=1,
+        head_dim=1,
+        head_dim_v=1,
+        dtype=torch.float64,
+        layouts=("bhsd", "bhsd", "bhsd"),
+        causal=None,
+        window=None,
+        mask=None,
+        mask_shape=(),
+        mask_expanded=False,
+        empty_rows=(),
+        scale=None,
+        softcap=0.0,
+        alibi="heads",
+        sinks=True,
+        dropout_p=0.0,
+        deterministic=None,
+        seed=195549,
+    )
+)
 # Found by the long profile at the avx2 level: a float64 output summing 257 keys, whose
 # rounding the rule had held to 16 units of the output's size.
 @example(
