@@ -234,9 +234,9 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def score_extent(qk_size: float, alibi_slopes, rows: int, keys: int, sinks) -> float:
-    """check_rule's score_scale: the largest |score| a call's exps take, from qk_size (the
-    largest |scale q . k|) plus ALiBi's largest bias (slope x distance, at most rows + keys),
-    or the largest |sink| logit where that is larger."""
+    """check_rule's score_scale: the size of the scores a call's exps take, from qk_size (a
+    bound on |scale q . k|, or the size of its terms) plus ALiBi's largest bias (slope x
+    distance, at most rows + keys), or the largest |sink| logit where that is larger."""
     extent = qk_size
     if alibi_slopes is not None and alibi_slopes.numel():
         extent += alibi_slopes.detach().abs().max().item() * (rows + keys)
