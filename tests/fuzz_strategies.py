@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import math
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -288,7 +288,7 @@ def same_grads(
     what,
     length: int = 1,
     cancel_scale: float = 0.0,
-    sinks_error: float = 0.0,
+    known_errors: Sequence[float] = (),
 ):
     """Gradient lists (None for a leaf nothing reached) by the rule. Each may be off by one
     unit of the inputs' dtype at the largest reference gradient or at cancel_scale (check_rule's
@@ -298,8 +298,8 @@ def same_grads(
     one key are exactly 0 but come out of dP - delta, delta = rowsum(dO * O) over the output
     rounded to its dtype: |scale| * max rowsum(|dO * O|) * max(|q|, |k|) (6e-3 in bf16 with
     dropout's 1 / (1 - p) where the largest reference gradient allowed 5e-3).
-    sinks_error: allowed on top of the rule for the last gradient where it is the sinks'
-    (sinks_delta_error())."""
+    known_errors: per gradient, allowed on top of the rule (sinks_delta_error(),
+    DenseCase.broadcast_rounding())."""
     scale = max((g.abs().max().item() for g in reference if g is not None and g.numel()), default=0)
     scale = max(scale, cancel_scale)
     for index, (actual, truth, baseline) in enumerate(zip(kernel, reference, plain)):
@@ -315,7 +315,7 @@ def same_grads(
             unit_scale=scale,
             sum_scale=scale * math.sqrt(length),
             unit_dtype=kernel[0].dtype,
-            known_error=sinks_error if index == len(kernel) - 1 else 0.0,
+            known_error=known_errors[index] if index < len(known_errors) else 0.0,
         )
 
 
@@ -341,6 +341,9 @@ class Operands:
     alibi_slopes: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
     grad_out: Optional[torch.Tensor] = None
+
+    def views(self) -> list:
+        return [self.q, self.k, self.v]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,17 +437,33 @@ class DenseCase:
         call = call_text("mha_ext.attention", "ops.q", "ops.k", "ops.v", **options)
         return f"ops = {self!r}.build()\nout, lse = {call}"
 
-    def reference(self, operands: Operands, dtype: torch.dtype, dropout_keep=None):
-        """(out, lse, grads of q, k, v leaves and sinks) of attention_reference in dtype."""
-        leaves = leaves_like(operands.leaves, dtype)
-        q, k, v = self.views(leaves)
+    def broadcast_rounding(self, operands: Operands, dropout_keep=None) -> list:
+        """Per q, k, v leaf, how far its gradient is off by its definition where the leaf is
+        broadcast: the kernels give each element of the view its gradient rounded to the
+        dtype, and autograd sums those over the copies (122 elements of up to 3.5 into a
+        gradient of 0.21), so their roundings add up. In float64 from the reference's
+        per-element gradients; 0 for other layouts."""
+        views = [x.detach().double().contiguous().requires_grad_() for x in operands.views()]
+        (sinks,) = leaves_like([operands.sinks], torch.float64)
+        out, _ = self._attend(*views, sinks, operands, torch.float64, dropout_keep)
+        out.backward(operands.grad_out.double())
+        errors = []
+        for view, layout in zip(views, self.layouts):
+            if layout != "broadcast" or view.grad is None or view.grad.numel() == 0:
+                errors.append(0.0)
+                continue
+            rounded = view.grad.to(self.dtype).double()
+            errors.append((rounded - view.grad).sum((0, 2)).abs().max().item())
+        return errors
+
+    def _attend(self, q, k, v, sinks, operands: Operands, dtype: torch.dtype, dropout_keep):
+        """attention_reference's (out, lse) over these q, k, v views and sinks in dtype."""
         mask = operands.attn_mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
         slopes = operands.alibi_slopes
         slopes = None if slopes is None else slopes.to(accumulate_dtype(dtype))
-        (sinks,) = leaves_like([operands.sinks], accumulate_dtype(dtype))
-        out, lse = attention_reference(
+        return attention_reference(
             q,
             k,
             v,
@@ -458,6 +477,12 @@ class DenseCase:
             alibi_slopes=slopes,
             sinks=sinks,
         )
+
+    def reference(self, operands: Operands, dtype: torch.dtype, dropout_keep=None):
+        """(out, lse, grads of q, k, v leaves and sinks) of attention_reference in dtype."""
+        leaves = leaves_like(operands.leaves, dtype)
+        (sinks,) = leaves_like([operands.sinks], accumulate_dtype(dtype))
+        out, lse = self._attend(*self.views(leaves), sinks, operands, dtype, dropout_keep)
         out.backward(operands.grad_out.to(dtype))
         grads = [leaf.grad for leaf in leaves] + ([sinks.grad] if sinks is not None else [])
         return out.detach(), lse.detach(), grads

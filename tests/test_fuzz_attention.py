@@ -64,10 +64,39 @@ def check_against_reference(case, operands, result, dropout_keep=None):
     score_scale = case.scale if case.scale is not None else case.head_dim**-0.5
     q, k = operands.leaves[:2]
     cancel = cancel_scale(score_scale, truth[0], operands.grad_out, q, k, case.dropout_p)
-    sinks = sinks_delta_error(truth[0], out, truth[1], operands.grad_out, operands.sinks)
-    same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel, sinks)
+    known = case.broadcast_rounding(operands, dropout_keep)
+    known.append(sinks_delta_error(truth[0], out, truth[1], operands.grad_out, operands.sinks))
+    same_grads(grads, truth[2], plain[2], "grad (q, k, v, sinks)", length, cancel, known)
 
 
+# Found by the long profile: k broadcast from one row to 65 keys, so grad_k sums 65
+# per-key gradients, each rounded to bf16 by the kernel (softcap 30).
+@example(
+    case=DenseCase(
+        batch=1,
+        heads=1,
+        kv_heads=1,
+        seq_q=65,
+        seq_k=65,
+        head_dim=1,
+        head_dim_v=1,
+        dtype=torch.bfloat16,
+        layouts=("broadcast", "broadcast", "padded"),
+        causal=None,
+        window=None,
+        mask=None,
+        mask_shape=(),
+        mask_expanded=False,
+        empty_rows=(),
+        scale=None,
+        softcap=30.0,
+        alibi=None,
+        sinks=False,
+        dropout_p=0.0,
+        deterministic=None,
+        seed=1,
+    )
+)
 # Found by the long profile at the avx2 level: a float64 logsumexp over one key, a score
 # summing 255 head dims in another order than the reference's.
 @example(
@@ -189,6 +218,34 @@ def test_attention_forward_and_backward_match_reference(case):
     check_against_reference(case, operands, run_attention(case, operands))
 
 
+# Found by the long profile: v broadcast over 2 x 61 keys, grad_v a sum of 122 bf16
+# gradients of up to 3.5 (dropout 0.9) into 0.21.
+@example(
+    case=DenseCase(
+        batch=2,
+        heads=1,
+        kv_heads=1,
+        seq_q=11,
+        seq_k=61,
+        head_dim=1,
+        head_dim_v=1,
+        dtype=torch.bfloat16,
+        layouts=("broadcast", "bhsd", "broadcast"),
+        causal=None,
+        window=None,
+        mask="additive",
+        mask_shape=(1,),
+        mask_expanded=False,
+        empty_rows=(),
+        scale=0.0,
+        softcap=0.0,
+        alibi="batch",
+        sinks=True,
+        dropout_p=0.9,
+        deterministic=None,
+        seed=8211,
+    )
+)
 # Found by the long profile at the generic level: grad_v in float64 sums 128 query rows
 # (over one key), which the rule had counted as a sum over the head dim, 1.
 @example(
