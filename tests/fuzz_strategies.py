@@ -202,7 +202,7 @@ def check_rule(
     # 1.7e-5 on outputs of 3.5 (14x). Folding scale * log2(e) into exp2 adds under 1e-7.
     score_rounding = 2 * accumulate_eps * magnitude * score_scale
     # known_error: what the kernel's definition of the result costs, computed in float64 by
-    # the caller (sinks_delta_error).
+    # the caller (sinks_delta_error, DenseCase.definition_errors).
     allowed = factor * plain_error + accumulated + own_unit + score_rounding + known_error
     assert error <= allowed, (
         f"{what}: max error {error:.3e} exceeds {allowed:.3e} "
@@ -299,7 +299,7 @@ def same_grads(
     rounded to its dtype: |scale| * max rowsum(|dO * O|) * max(|q|, |k|) (6e-3 in bf16 with
     dropout's 1 / (1 - p) where the largest reference gradient allowed 5e-3).
     known_errors: per gradient, allowed on top of the rule (sinks_delta_error(),
-    DenseCase.broadcast_rounding())."""
+    DenseCase.definition_errors())."""
     scale = max((g.abs().max().item() for g in reference if g is not None and g.numel()), default=0)
     scale = max(scale, cancel_scale)
     for index, (actual, truth, baseline) in enumerate(zip(kernel, reference, plain)):
@@ -437,23 +437,37 @@ class DenseCase:
         call = call_text("mha_ext.attention", "ops.q", "ops.k", "ops.v", **options)
         return f"ops = {self!r}.build()\nout, lse = {call}"
 
-    def broadcast_rounding(self, operands: Operands, dropout_keep=None) -> list:
-        """Per q, k, v leaf, how far its gradient is off by its definition where the leaf is
-        broadcast: the kernels give each element of the view its gradient rounded to the
-        dtype, and autograd sums those over the copies (122 elements of up to 3.5 into a
-        gradient of 0.21), so their roundings add up. In float64 from the reference's
-        per-element gradients; 0 for other layouts."""
+    def definition_errors(self, operands: Operands, kernel_out, dropout_keep=None) -> list:
+        """Per gradient (q, k, v leaves, then sinks), how far it is off by the kernels'
+        definition, in float64 from the reference. Two effects add up over a sum the rule sees
+        as one result. The backward's delta = rowsum(dO * O) reads the output as the kernel
+        rounded it (cancel_scale's reason): the gradients it gives are those of out . dO -
+        sum_rows (delta's error) lse, since d lse / d score = P; summed over a head's rows
+        (grad_sinks) or over a broadcast leaf's copies that reaches 2% of a bf16 gradient.
+        And where a leaf is broadcast (one row for every batch and position), the kernels
+        round each element of the view's gradient to the dtype before autograd sums them
+        (122 elements of up to 3.5 into a gradient of 0.21)."""
         views = [x.detach().double().contiguous().requires_grad_() for x in operands.views()]
         (sinks,) = leaves_like([operands.sinks], torch.float64)
-        out, _ = self._attend(*views, sinks, operands, torch.float64, dropout_keep)
-        out.backward(operands.grad_out.double())
+        inputs = views + ([sinks] if sinks is not None else [])
+        out, lse = self._attend(*views, sinks, operands, torch.float64, dropout_keep)
+        grad_out = operands.grad_out.double()
+        delta_error = (grad_out * (kernel_out.double() - out.detach())).sum(-1)
+        delta_error = torch.where(torch.isfinite(lse.detach()), delta_error, 0.0)
+        exact = torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
+        defined = torch.autograd.grad(
+            (out, lse), inputs, (grad_out, -delta_error), allow_unused=True
+        )
         errors = []
-        for view, layout in zip(views, self.layouts):
-            if layout != "broadcast" or view.grad is None or view.grad.numel() == 0:
+        for index, (true, kernel) in enumerate(zip(exact, defined)):
+            if true is None or kernel is None or true.numel() == 0:
                 errors.append(0.0)
                 continue
-            rounded = view.grad.to(self.dtype).double()
-            errors.append((rounded - view.grad).sum((0, 2)).abs().max().item())
+            true, kernel = true.nan_to_num(), kernel.nan_to_num()
+            if index < 3 and self.layouts[index] == "broadcast":
+                kernel = kernel.to(self.dtype).double()
+                true, kernel = true.sum((0, 2)), kernel.sum((0, 2))
+            errors.append((kernel - true).abs().max().item())
         return errors
 
     def _attend(self, q, k, v, sinks, operands: Operands, dtype: torch.dtype, dropout_keep):
