@@ -62,12 +62,8 @@ def outcome(sdpa, args, kwargs, grad_seed):
         head_dim=2,
         head_dim_v=2,
         dtype=torch.bfloat16,
-        mask_shape=None,
-        mask_dtype="bool",
         is_causal=True,
         scale=2.0,
-        enable_gqa=False,
-        seed=0,
     )
 )
 @fuzz_settings(200)
@@ -252,12 +248,8 @@ def module_reference(layer, q, k, v, mask, is_causal):
         seq_k=193,
         dtype=torch.bfloat16,
         bias=True,
-        window=None,
-        softcap=0.0,
-        alibi=False,
         sinks=True,
         is_causal=True,
-        mask_shape=None,
         seed=11210039,
     )
 )
