@@ -3,6 +3,9 @@
 #include <dirent.h>
 #include <pthread.h>
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
 #include <atomic>
 
 namespace mha_ext::cpu {
@@ -36,5 +39,41 @@ const bool fork_handlers_registered = [] {
 }  // namespace
 
 bool loops_serial_after_fork() { return serial_after_fork.load(std::memory_order_relaxed); }
+
+namespace {
+
+constexpr uint64_t pack_bounds(uint64_t next, uint64_t end) { return end << 32 | next; }
+
+}  // namespace
+
+TaskShares::TaskShares(int64_t count, int64_t workers)
+    : workers_(workers), shares_(new Share[workers]) {
+  TORCH_CHECK(count < (int64_t(1) << 32), "mha_ext: a parallel loop of ", count,
+              " tasks; at most 2^32 - 1 are supported");
+  const int64_t per_worker = (count + workers - 1) / workers;
+  for (int64_t w = 0; w < workers; ++w) {
+    const int64_t first = std::min(count, w * per_worker);
+    const int64_t last = std::min(count, first + per_worker);
+    shares_[w].bounds.store(pack_bounds(first, last), std::memory_order_relaxed);
+  }
+}
+
+int64_t TaskShares::claim(int64_t worker) {
+  for (int64_t offset = 0; offset < workers_; ++offset) {
+    std::atomic<uint64_t>& bounds = shares_[(worker + offset) % workers_].bounds;
+    const bool own = offset == 0;
+    uint64_t seen = bounds.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t next = seen & 0xFFFFFFFFu, end = seen >> 32;
+      if (next >= end) break;
+      const uint64_t taken = own ? next : end - 1;
+      const uint64_t left = own ? pack_bounds(next + 1, end) : pack_bounds(next, end - 1);
+      if (bounds.compare_exchange_weak(seen, left, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(taken);
+      }
+    }
+  }
+  return -1;
+}
 
 }  // namespace mha_ext::cpu

@@ -10,7 +10,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace mha_ext::cpu {
 
@@ -27,6 +29,74 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   // same thread-id and nesting guards as its own serial path.
   const int64_t serial_grain = std::max(grain, end - begin);
   at::parallel_for(begin, end, loops_serial_after_fork() ? serial_grain : grain, f);
+}
+
+// The tasks [0, count) of one parallel loop, shared by `workers` workers: worker w starts on
+// its own contiguous share (at::parallel_for's static split) and, when that runs out, takes
+// what is left of the others' shares from their far end. A worker that starts late (an idle
+// pool thread woken by the loop, or a thread another process holds on its core) then delays
+// the loop by at most the task it runs, where a static split waits for its whole share.
+class TaskShares {
+ public:
+  TaskShares(int64_t count, int64_t workers);
+  // Worker w's next task: the next of its own share, else the last left in another's; -1
+  // when every task is taken.
+  int64_t claim(int64_t worker);
+
+ private:
+  // next task (low 32 bits) and end (high 32 bits) of one share, changed together
+  struct alignas(64) Share {
+    std::atomic<uint64_t> bounds;
+  };
+  int64_t workers_;
+  std::unique_ptr<Share[]> shares_;  // [workers_]
+};
+
+// The tasks one worker runs, claimed one at a time as the loop over them advances:
+// for (const int64_t task : tasks) {...}
+class ClaimedTasks {
+ public:
+  ClaimedTasks(TaskShares& shares, int64_t worker) : shares_(shares), worker_(worker) {}
+
+  struct End {};
+  class Iterator {
+   public:
+    Iterator(ClaimedTasks& owner, int64_t task) : owner_(owner), task_(task) {}
+    int64_t operator*() const { return task_; }
+    Iterator& operator++() {
+      task_ = owner_.shares_.claim(owner_.worker_);
+      return *this;
+    }
+    bool operator!=(End) const { return task_ >= 0; }
+
+   private:
+    ClaimedTasks& owner_;
+    int64_t task_;
+  };
+  Iterator begin() { return Iterator(*this, shares_.claim(worker_)); }
+  End end() const { return {}; }
+
+ private:
+  TaskShares& shares_;
+  int64_t worker_;
+};
+
+// Runs tasks [0, count) on the threads of one parallel region, f(ClaimedTasks&) once per
+// thread (its per-thread setup first, then a loop over the tasks it claims). For tasks whose
+// results do not depend on the thread that runs them, nor on which tasks ran before on it:
+// which thread runs a task changes from call to call.
+template <typename F>
+void parallel_tasks(int64_t count, const F& f) {
+  if (count <= 0) return;
+  const bool one_thread = loops_serial_after_fork() || at::in_parallel_region();
+  const int64_t workers = one_thread ? 1 : std::min<int64_t>(at::get_num_threads(), count);
+  TaskShares shares(count, workers);
+  parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      ClaimedTasks tasks(shares, worker);
+      f(tasks);
+    }
+  });
 }
 
 }  // namespace mha_ext::cpu

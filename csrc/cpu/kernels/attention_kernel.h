@@ -265,7 +265,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
                                kQueryBlock * kKeyBlock + sub_rows * ld_dv + 2 * sub_rows +
                                kKeyBlock * p.head_dim;
 
-  parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.batch * p.num_kv_heads * plan.chunks, [&](ClaimedTasks& tasks) {
     acc_t* q_tiles = thread_scratch<acc_t>(scratch_size);  // [sub_blocks, kQueryBlock, ld_d]
     acc_t* kt_tile = q_tiles + sub_rows * ld_d;            // [head_dim, kKeyBlock]
     acc_t* v_tile = kt_tile + p.head_dim * kKeyBlock;      // [kKeyBlock, ld_dv]
@@ -275,7 +275,7 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
     acc_t* row_sum = row_max_log2 + sub_rows;              // [sub_blocks, kQueryBlock]
     acc_t* staging = row_sum + sub_rows;                   // [kKeyBlock, head_dim]
 
-    for (int64_t index = begin; index < end; ++index) {
+    for (const int64_t index : tasks) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
       const scalar_t* k = task.kv_rows<scalar_t>(p.k, p.k_strides);
@@ -447,7 +447,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                                kKeyBlock * ld_d + kKeyBlock * ld_dv + kKeyBlock * p.head_dim_v;
   const acc_t scale = static_cast<acc_t>(p.scale);
 
-  parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.batch * p.num_kv_heads * splits, [&](ClaimedTasks& tasks) {
     acc_t* q_tile = thread_scratch<acc_t>(scratch_size);  // [kQueryBlock, ld_d]
     acc_t* do_tile = q_tile + kQueryBlock * ld_d;         // [kQueryBlock, ld_dv]
     acc_t* k_tile = do_tile + kQueryBlock * ld_dv;        // [kKeyBlock, ld_d]
@@ -461,7 +461,7 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
     acc_t* dv_tile = dk_tile + kKeyBlock * ld_d;   // [kKeyBlock, ld_dv]
     acc_t* staging = dv_tile + kKeyBlock * ld_dv;  // [kKeyBlock, head_dim_v]
 
-    for (int64_t index = begin; index < end; ++index) {
+    for (const int64_t index : tasks) {
       const BackwardTask<scalar_t> task(p, index);
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
       // The group's dQ partial sums in this split start at 0 (the workspace comes uncleared).
@@ -740,7 +740,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
                                sub_rows + sub_rows * kSumLanes + kQueryBlock * key_tile +
                                layout.tile_words;
 
-  parallel_for(0, p.batch * p.num_kv_heads * plan.chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.batch * p.num_kv_heads * plan.chunks, [&](ClaimedTasks& tasks) {
     float* s_tiles = thread_scratch<float>(scratch_size);  // [sub_rows, key_tile]
     scalar_t* p_tiles =
         reinterpret_cast<scalar_t*>(s_tiles + sub_rows * key_tile);  // [sub_rows, key_tile]
@@ -751,7 +751,7 @@ inline void attention_forward_bf16_brgemm(const AttentionForwardParams& p,
     uint32_t* own_tile =
         reinterpret_cast<uint32_t*>(dropout_probs + kQueryBlock * key_tile);  // [layout.tile_words]
 
-    for (int64_t index = begin; index < end; ++index) {
+    for (const int64_t index : tasks) {
       const ForwardTask task(p, plan, index);
       const int64_t batch = task.batch;
       reset_rows(task, ld_dv, o_tiles, row_max_log2, row_sums, kSumLanes);
@@ -1012,7 +1012,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
                                4 * chunk_tile + 3 * chunk_tile / 2 + (d + dv) * kKeyBlock +
                                kKeyBlock * std::max(d, dv);
 
-  parallel_for(0, p.batch * p.num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.batch * p.num_kv_heads * splits, [&](ClaimedTasks& tasks) {
     uint32_t* kt_pairs =
         reinterpret_cast<uint32_t*>(thread_scratch<float>(scratch_size));  // [d / 2, kKeyBlock]
     uint32_t* vt_pairs = kt_pairs + d / 2 * kKeyBlock;                     // [dv / 2, kKeyBlock]
@@ -1031,7 +1031,7 @@ inline void attention_backward_bf16_brgemm(const AttentionBackwardParams& p,
     float* dvt_tile = dkt_tile + d * kKeyBlock;                        // [dv, kKeyBlock]
     float* staging = dvt_tile + dv * kKeyBlock;                        // [kKeyBlock, max(d, dv)]
 
-    for (int64_t index = begin; index < end; ++index) {
+    for (const int64_t index : tasks) {
       const BackwardTask<scalar_t> task(p, index);
       const int64_t batch = task.batch, kv_head = task.kv_head, split = task.split;
       // The dQ rows [written_begin, written_end) of the group's heads in this split's partial

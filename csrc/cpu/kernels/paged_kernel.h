@@ -1901,9 +1901,9 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
 #elif defined(CPU_CAPABILITY_AVX2)
   if (Traits::kInt16Dots && sizeof(q_t) == 2) dots = DirectDots::kInt16Pairs;
 #endif
-  parallel_for(0, plan.tasks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(plan.tasks, [&](ClaimedTasks& tasks) {
     const PagedScratch<scalar_t, acc_t> scratch(plan, p.head_dim);
-    for (int64_t index = begin; index < end; ++index) {
+    for (const int64_t index : tasks) {
       const PagedTask task = plan_task<scalar_t>(p, plan, index);
       if (task.rows == 0) continue;
       const DirectDots task_dots = start_task<q_t>(p, task, scratch, dots);
