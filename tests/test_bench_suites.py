@@ -1,12 +1,14 @@
 """The variants and varlen benchmark suites run and report what they promise."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from mha_ext.bench import suites
+from mha_ext.bench import suites, timing
 from mha_ext.bench.__main__ import main as bench_main
 
 
@@ -38,6 +40,41 @@ def test_variants_and_varlen_suites_write_json_and_tables(tmp_path):
     assert [r["params"]["layout"] for r in varlen] == ["packed", "uniform"]
     assert all(set(r["results"]) == {"mha_ext", "torch_sdpa"} for r in varlen)
     assert "packed documents run at" in result.stdout
+
+
+def _cpu_ticks(pid):
+    """User + system CPU time of a process so far, in clock ticks (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_busy_cores_spin_while_the_block_runs_and_stop_with_it():
+    with timing.busy_cores(2) as spinners:
+        assert len(spinners) == 2
+        time.sleep(0.2)  # past the interpreters' start
+        before = [_cpu_ticks(s.pid) for s in spinners]
+        time.sleep(0.5)
+        spun = [_cpu_ticks(s.pid) - b for s, b in zip(spinners, before)]
+        assert all(s.poll() is None for s in spinners)
+    # Each held a core for most of the half second (50 ticks at Linux's 100 a second), even
+    # on two cores shared with this test's process.
+    assert all(ticks >= 10 for ticks in spun), spun
+    assert all(s.returncode is not None for s in spinners)
+
+
+def test_bench_runs_under_busy_cores_and_records_them(tmp_path):
+    result = run_bench(tmp_path, "--suite", "variants", "--seq", "64", "--busy-cores", "1")
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["machine"]["busy_cores"] == 1
+    assert "1 busy core(s) beside" in result.stdout
+    rejected = subprocess.run(
+        [sys.executable, "-m", "mha_ext.bench", "--busy-cores", "-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert rejected.returncode == 2 and "--busy-cores must be 0 or more, got -1" in rejected.stderr
 
 
 def test_integrations_suite_times_each_interface_against_the_direct_call(tmp_path):

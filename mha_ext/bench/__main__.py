@@ -6,6 +6,7 @@ r"""python -m mha_ext.bench: mha_ext against torch SDPA and the naive attention,
     python -m mha_ext.bench --suite paged_decode --context 4096 --dtype bfloat16 \
         --kv-cache-dtype int8 fp8 --kv-cache-only        # 8-bit caches against a bf16 cache
     python -m mha_ext.bench --suite flex --seq 2048 --context 4096   # against FlexAttention
+    python -m mha_ext.bench --suite forward --busy-cores 1   # with a neighbour spinning on a core
 
 Prints a table per suite (throughput, mha_ext's ratio to torch, mha_ext's fraction of this
 CPU's measured peak for the dtype and of torch's matmul, or of a streaming read for the cache
@@ -33,6 +34,7 @@ from .suites import (
     build_cases,
     run_case,
 )
+from .timing import busy_cores
 
 QUICK = {
     "models": ["gpt2-small", "llama2-70b"],
@@ -144,11 +146,26 @@ def parse_args(argv):
         "--out", default="benchmarks/results", help="folder for results.json and the plots"
     )
     parser.add_argument("--no-plots", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        help="processes spinning on a core each for the whole run, as a shared machine's "
+        "neighbours: every contender, and the roofline, is timed under that load",
+    )
+    args = parser.parse_args(argv)
+    if args.busy_cores < 0:
+        parser.error(f"--busy-cores must be 0 or more, got {args.busy_cores}")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    with busy_cores(args.busy_cores):
+        return _run(args)
+
+
+def _run(args):
     sizes = QUICK if args.quick else FULL
     device = torch.device(args.device)
     dtypes = [getattr(torch, d) for d in args.dtype]
@@ -160,11 +177,13 @@ def main(argv=None):
         "device": str(device),
         "processor": platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "busy_cores": args.busy_cores,
     }
     print(
         f"mha_ext {machine['mha_ext']['version']} ({machine['mha_ext']['cpu_isa']} CPU "
         f"kernels), torch "
         f"{machine['torch']}, {machine['threads']} threads, device {device}, median of {repeats}"
+        + (f", {args.busy_cores} busy core(s) beside" if args.busy_cores else "")
     )
     print("measuring the roofline ...", flush=True)
     measured = roofline.measure_roofline(dtypes, device, args.quick)

@@ -3,9 +3,12 @@ machines), then the median of several repeats, contenders interleaved repeat by 
 drift on a shared machine hits all of them alike. On CUDA, CUDA events time the device and
 every measurement synchronises."""
 
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -63,3 +66,17 @@ def ratio_range(numerators: List[float], denominators: List[float]) -> Tuple[flo
     ratio of medians moved within the run."""
     ratios = [n / d for n, d in zip(numerators, denominators)]
     return min(ratios), max(ratios)
+
+
+@contextlib.contextmanager
+def busy_cores(count: int) -> Iterator[List[subprocess.Popen]]:
+    """count other processes, each spinning on a core until the block ends: the neighbours of
+    a shared machine, which hold a core that a contender's thread then waits for. Every
+    contender and probe of a run under it is timed under the same load."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
