@@ -199,7 +199,7 @@ def fake_timed_case(monkeypatch, mha_seconds, probe_seconds):
     monkeypatch.setattr(
         suites,
         "interleaved_seconds",
-        lambda steps, warmup, repeats, device: {
+        lambda steps, warmup, repeats, device, before_each=None: {
             name: [step_seconds.get(name, 1.0)] for name in steps
         },
     )
@@ -232,9 +232,12 @@ def test_peak_probe_timed_with_the_case_counts_where_it_read_higher(
     calls = []
     timed = suites.interleaved_seconds
 
-    def recording(steps, warmup, repeats, device):
-        calls.append(list(steps))
-        return {**timed(steps, warmup, repeats, device), suites.PEAK_PROBE: [1 / with_case_gflops]}
+    def recording(steps, warmup, repeats, device, before_each=None):
+        calls.append((list(steps), before_each))
+        return {
+            **timed(steps, warmup, repeats, device, before_each),
+            suites.PEAK_PROBE: [1 / with_case_gflops],
+        }
 
     monkeypatch.setattr(suites, "interleaved_seconds", recording)
     probes = {
@@ -244,7 +247,10 @@ def test_peak_probe_timed_with_the_case_counts_where_it_read_higher(
     result = suites.run_case(
         case, {"matmul_float32": 1.0, "peak_float32": 5.0}, torch.device("cpu"), 1, probes
     )
-    assert calls == [["mha_ext", "torch_sdpa", "naive", suites.ROOFLINE_PROBE, suites.PEAK_PROBE]]
+    # Every step, the probes' too, follows an untimed run of the case's probe: none starts
+    # colder than the others.
+    steps = ["mha_ext", "torch_sdpa", "naive", suites.ROOFLINE_PROBE, suites.PEAK_PROBE]
+    assert calls == [(steps, probes["matmul_float32"].step)]
     assert result["peak_rate"] == pytest.approx(peak)
     assert suites.PEAK_PROBE not in result["results"]
     throughput = case.work / 0.001 / 1e9
@@ -322,7 +328,7 @@ def test_decode_times_the_streaming_read_in_rounds_with_it(monkeypatch):
     case = suites._decode_case("tiny", 4, 2, 32, 64, torch.float32, torch.device("cpu"), batch=2)
     calls = []
 
-    def fake_interleaved_seconds(steps, warmup, repeats, device):
+    def fake_interleaved_seconds(steps, warmup, repeats, device, before_each=None):
         calls.append(list(steps))
         return {name: [0.001] for name in steps}
 

@@ -237,7 +237,7 @@ def test_call_overhead_steps_are_timed_per_call(monkeypatch):
     monkeypatch.setattr(
         suites,
         "interleaved_seconds",
-        lambda steps, warmup, repeats, device: {name: [0.02] for name in steps},
+        lambda steps, warmup, repeats, device, before_each=None: {name: [0.02] for name in steps},
     )
     result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=1)
     for name in ("mha_ext", "torch_sdpa", "naive"):
@@ -287,7 +287,7 @@ def test_decode_samples_take_at_most_the_calls_per_sample(monkeypatch):
     monkeypatch.setattr(
         suites,
         "interleaved_seconds",
-        lambda steps, warmup, repeats, device: {name: [0.016] for name in steps},
+        lambda steps, warmup, repeats, device, before_each=None: {name: [0.016] for name in steps},
     )
     result = suites.run_case(case, {"stream_read": 1.0}, torch.device("cpu"), repeats=1)
     assert result["results"]["mha_ext"]["seconds_per_call"] == pytest.approx(1e-3)
@@ -331,7 +331,7 @@ def test_roofline_fraction_is_of_the_probe_timed_with_the_case(monkeypatch, inte
     }
     calls = []
 
-    def fake_interleaved_seconds(steps, warmup, repeats, device):
+    def fake_interleaved_seconds(steps, warmup, repeats, device, before_each=None):
         for name in steps:
             calls.append(name)
         return {name: [step_seconds[name]] for name in steps}
@@ -371,7 +371,9 @@ def test_speedup_range_spans_the_repeats_paired_ratios(monkeypatch, interleave):
     monkeypatch.setattr(
         suites,
         "interleaved_seconds",
-        lambda steps, warmup, repeats, device: {name: times[name] for name in steps},
+        lambda steps, warmup, repeats, device, before_each=None: {
+            name: times[name] for name in steps
+        },
     )
     result = suites.run_case(case, {"matmul_float32": 1000.0}, torch.device("cpu"), repeats=3)
     mha = result["results"]["mha_ext"]
@@ -392,7 +394,7 @@ def test_append_flatness_case_times_both_contexts_interleaved(monkeypatch):
     # ratio of medians 1.25, 1.0 to 1.5 over the repeats, printed as the flatness line. Every
     # step runs after the streaming read (before_each), which leaves both contexts alike.
     case = suites._append_flatness_case(16, 48, torch.device("cpu"))
-    assert case.interleave and case.cold_steps and case.baseline == suites.APPEND_SHORT_CONTEXT
+    assert case.interleave and case.baseline == suites.APPEND_SHORT_CONTEXT
     assert set(case.steps) == {"mha_ext", suites.APPEND_SHORT_CONTEXT}
     times = {"mha_ext": [2e-3, 3e-3, 2.5e-3], suites.APPEND_SHORT_CONTEXT: [2e-3] * 3}
     evictions = []

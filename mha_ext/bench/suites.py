@@ -130,11 +130,6 @@ class Case:
     steps: Dict[str, Callable[[], None]]
     baseline: str = "torch_sdpa"
     interleave: bool = True
-    # Whether every step (the probe's too) is timed right after an untimed run of the case's
-    # roofline probe, so that each starts from the caches and TLB the probe's read leaves:
-    # interleaved with the probe in a fixed order, the step after it starts colder than the
-    # others in every round.
-    cold_steps: bool = False
     per_call: Dict[str, int] = field(default_factory=dict)  # calls per step, for per-call times
     # Contender -> the work of its step where it differs from `work` (e.g. the bytes of a cache
     # in another dtype).
@@ -604,7 +599,7 @@ def _append_flatness_case(
     interleaved: the ratio of the two contexts (the append's flatness) from one run, where the
     per-context cases, timed one after another, read whatever the machine's load did between
     them (32k / 512 read 0.64 and 1.63 in two runs on one idle Xeon). Each step is timed after
-    the streaming read (cold_steps), as a decode step's append follows the other layers' work:
+    the streaming read (run_case), as a decode step's append follows the other layers' work:
     interleaved with the read in a fixed order, the context timed right after it read 1.2-1.4x
     the other's time per token whichever it was (Xeon model 167, 32768 against 512: 1.21-1.37
     first, 0.69-0.76 second), and 0.94-1.02 with the read before each."""
@@ -629,7 +624,6 @@ def _append_flatness_case(
         {"mha_ext": long_step, APPEND_SHORT_CONTEXT: short_step},
         baseline=APPEND_SHORT_CONTEXT,
         per_call=dict.fromkeys(("mha_ext", APPEND_SHORT_CONTEXT), APPEND_TOKENS_PER_RUN),
-        cold_steps=True,
     )
 
 
@@ -1142,7 +1136,8 @@ def run_case(
     device (mha_ext's CUDA attention before the CUDA issue lands), or the naive attention
     where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
     With probes, the case's probe (torch's matmul or the streaming read) is timed with the
-    contenders (interleaved where they are) and roofline_fraction is of its rate there,
+    contenders (interleaved where they are, each step after an untimed run of the probe) and
+    roofline_fraction is of its rate there,
     recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
     of arithmetic also gets peak_fraction, of the dtype's peak where there is one: the higher
     of roofline's "peak_<dtype>" and the rate of probes' "peak_<dtype>" timed with the case,
@@ -1175,7 +1170,15 @@ def run_case(
         steps[PEAK_PROBE] = peak_probe.step
     samples = {}
     if case.interleave:
-        cold = {"before_each": probe.step} if case.cold_steps and probe else {}
+        # Every step (the probes' too) right after an untimed run of the case's probe, so that
+        # each starts from the caches, TLB and idle threads the probe leaves, as a layer's
+        # attention follows its projections' matmuls. Interleaved with the probes in a fixed
+        # order, the step right after them started colder than the others in every round: the
+        # append flatness case's first context read 1.2-1.4x the other's time per token
+        # whichever it was, and FlexAttention's window case read mha_ext at 1.49-1.51x flex
+        # timed first, 1.68-1.72x timed second (Xeon model 167; 1.47-1.58x and 1.56-1.66x with
+        # the probe before each step).
+        cold = {"before_each": probe.step} if probe else {}
         samples = interleaved_seconds(steps, warmup=1, repeats=repeats, device=device, **cold)
         seconds = {name: statistics.median(times) for name, times in samples.items()}
     else:
