@@ -1,6 +1,7 @@
 #pragma once
-// The CPU kernels' parallel loop: at::parallel_for, except in a process forked from one that
-// had already started threads, where it runs the loop on the calling thread.
+// The CPU kernels' parallel loops: at::parallel_for, except in a process forked from one that
+// had already started threads, where it runs the loop on the calling thread; and
+// parallel_tasks, whose threads take each other's tasks when their own run out.
 //
 // libgomp keeps its worker threads between parallel regions; fork() copies its record of
 // them into the child but not the threads, so the child's next region of more than one
