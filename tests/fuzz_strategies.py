@@ -202,7 +202,7 @@ def check_rule(
     # 1.7e-5 on outputs of 3.5 (14x). Folding scale * log2(e) into exp2 adds under 1e-7.
     score_rounding = 2 * accumulate_eps * magnitude * score_scale
     # known_error: what the kernel's definition of the result costs, computed in float64 by
-    # the caller (sinks_delta_error, DenseCase.definition_errors).
+    # the caller (DenseCase.definition_errors, VarlenCase.definition_errors).
     allowed = factor * plain_error + accumulated + own_unit + score_rounding + known_error
     assert error <= allowed, (
         f"{what}: max error {error:.3e} exceeds {allowed:.3e} "
@@ -265,22 +265,6 @@ def cancel_scale(score_scale, reference_out, grad_out, q, k, dropout_p: float = 
     return abs(score_scale) * delta * largest / (1.0 - dropout_p)
 
 
-def sinks_delta_error(reference_out, kernel_out, reference_lse, grad_out, sinks) -> float:
-    """How far grad_sinks[h] = -(sum over head h's rows of p_sink delta) is off by its
-    definition: delta = rowsum(dO * O) reads the output as the kernel rounded it to its dtype
-    (cancel_scale's reason), and over a head's rows those roundings add up (2% of a bf16
-    gradient over 64 rows of 127 dims). The largest over heads, in float64 from the
-    reference's p_sink; reference_lse has the output's shape without its last dim, heads on
-    axis 1."""
-    if sinks is None or reference_out.numel() == 0:
-        return 0.0
-    rounding = (grad_out.double() * (kernel_out.double() - reference_out.double())).sum(-1)
-    p_sink = torch.exp(sinks.detach().double().view(1, -1, *[1] * (reference_lse.dim() - 2)))
-    terms = torch.where(rounding != 0, p_sink / torch.exp(reference_lse.double()) * rounding, 0.0)
-    per_head = terms.transpose(0, 1).reshape(sinks.numel(), -1).sum(-1)
-    return per_head.abs().max().item()
-
-
 def same_grads(
     kernel,
     reference,
@@ -298,8 +282,7 @@ def same_grads(
     one key are exactly 0 but come out of dP - delta, delta = rowsum(dO * O) over the output
     rounded to its dtype: |scale| * max rowsum(|dO * O|) * max(|q|, |k|) (6e-3 in bf16 with
     dropout's 1 / (1 - p) where the largest reference gradient allowed 5e-3).
-    known_errors: per gradient, allowed on top of the rule (sinks_delta_error(),
-    DenseCase.definition_errors())."""
+    known_errors: per gradient, allowed on top of the rule (the cases' definition_errors())."""
     scale = max((g.abs().max().item() for g in reference if g is not None and g.numel()), default=0)
     scale = max(scale, cancel_scale)
     for index, (actual, truth, baseline) in enumerate(zip(kernel, reference, plain)):
@@ -938,20 +921,13 @@ class VarlenCase:
         call = call_text("mha_ext.attention_varlen", *args, **options)
         return f"t = {self!r}.build()\nout, lse = {call}"
 
-    def reference(self, built: dict, dtype: torch.dtype):
-        """(out, lse, grads of the q, k, v leaves and sinks) of attention_varlen_reference."""
-        leaves = leaves_like(built["leaves"], dtype)
-        q = leaves[0][..., : self.head_dim]
+    def _attend(self, leaves, sinks, built: dict, dtype: torch.dtype):
+        """attention_varlen_reference's (out, lse) over these q, k, v leaves and sinks in
+        dtype; there must be a sequence."""
         slopes = built["alibi_slopes"]
         slopes = None if slopes is None else slopes.to(accumulate_dtype(dtype))
-        (sinks,) = leaves_like([built["sinks"]], accumulate_dtype(dtype))
-        if not self.q_lens:  # no sequence: nothing to compute
-            out = q.new_zeros(0, self.heads, self.head_dim_v)
-            lse = q.new_zeros(self.heads, 0, dtype=accumulate_dtype(dtype))
-            grads = [torch.zeros_like(x) for x in leaves + ([] if sinks is None else [sinks])]
-            return out, lse, grads
-        out, lse = attention_varlen_reference(
-            q,
+        return attention_varlen_reference(
+            leaves[0][..., : self.head_dim],
             leaves[1],
             leaves[2],
             built["cu_seqlens_q"],
@@ -964,9 +940,47 @@ class VarlenCase:
             sinks=sinks,
             seqused_k=built["seqused_k"],
         )
+
+    def reference(self, built: dict, dtype: torch.dtype):
+        """(out, lse, grads of the q, k, v leaves and sinks) of attention_varlen_reference."""
+        leaves = leaves_like(built["leaves"], dtype)
+        (sinks,) = leaves_like([built["sinks"]], accumulate_dtype(dtype))
+        if not self.q_lens:  # no sequence: nothing to compute
+            out = leaves[0].new_zeros(0, self.heads, self.head_dim_v)
+            lse = leaves[0].new_zeros(self.heads, 0, dtype=accumulate_dtype(dtype))
+            grads = [torch.zeros_like(x) for x in leaves + ([] if sinks is None else [sinks])]
+            return out, lse, grads
+        out, lse = self._attend(leaves, sinks, built, dtype)
         out.backward(built["grad_out"].to(dtype))
         grads = [leaf.grad for leaf in leaves] + ([sinks.grad] if sinks is not None else [])
         return out.detach(), lse.detach(), grads
+
+    def definition_errors(self, built: dict, kernel_out) -> list:
+        """Per gradient (q, k, v leaves, then sinks), how far it is off by the kernels'
+        definition, in float64: delta = rowsum(dO * O) reads the output as the kernel rounded
+        it, so the gradients are those of out . dO - sum_rows (delta's error) lse
+        (DenseCase.definition_errors); summed over a head's rows, grad_sinks' share reaches
+        2% of a bf16 gradient."""
+        sinks_given = built["sinks"] is not None
+        if not self.q_lens:
+            return [0.0] * (3 + sinks_given)
+        leaves = leaves_like(built["leaves"], torch.float64)
+        (sinks,) = leaves_like([built["sinks"]], torch.float64)
+        inputs = leaves + ([sinks] if sinks_given else [])
+        out, lse = self._attend(leaves, sinks, built, torch.float64)  # lse (heads, total_q)
+        grad_out = built["grad_out"].double()
+        delta_error = (grad_out * (kernel_out.double() - out.detach())).sum(-1).T
+        delta_error = torch.where(torch.isfinite(lse.detach()), delta_error, 0.0)
+        exact = torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
+        defined = torch.autograd.grad(
+            (out, lse), inputs, (grad_out, -delta_error), allow_unused=True
+        )
+        return [
+            0.0
+            if true is None or kernel is None or true.numel() == 0
+            else (kernel.nan_to_num() - true.nan_to_num()).abs().max().item()
+            for true, kernel in zip(exact, defined)
+        ]
 
 
 def offsets(lengths) -> torch.Tensor:
