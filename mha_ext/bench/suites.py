@@ -1137,13 +1137,13 @@ def run_case(
     where it would take too long (NAIVE_MAX_SECONDS), is reported, not timed.
     With probes, the case's probe (torch's matmul or the streaming read) is timed with the
     contenders (interleaved where they are, each step after an untimed run of the probe) and
-    roofline_fraction is of its rate there,
-    recorded as roofline_rate; without, of roofline's (the run's headline ceilings). A case
-    of arithmetic also gets peak_fraction, of the dtype's peak where there is one: the higher
-    of roofline's "peak_<dtype>" and the rate of probes' "peak_<dtype>" timed with the case,
-    recorded as peak_rate. Not clamped: a kernel that beat both readings would show it.
-    Each contender's speedup_vs_baseline is the ratio of the medians; where the contenders
-    run interleaved, speedup_range is the lowest and highest ratio of one repeat's pair."""
+    roofline_fraction is of its rate there, recorded as roofline_rate; without, of
+    roofline's (the run's headline ceilings). A case of arithmetic also gets peak_fraction,
+    of the dtype's peak where there is one: the higher of roofline's "peak_<dtype>" and the
+    rate of probes' "peak_<dtype>" timed with the case, recorded as peak_rate. Not clamped:
+    a kernel that beat both readings would show it. Each contender's speedup_vs_baseline is
+    the ratio of the medians; where the contenders run interleaved, speedup_range is the
+    lowest and highest ratio of one repeat's pair."""
     unsupported = dict(case.unsupported)
     if "naive" in case.steps and case.unit == "GFLOP/s":
         naive_seconds = case.work / (roofline[case.roofline_key] * 1e9)
@@ -1178,8 +1178,10 @@ def run_case(
         # whichever it was, and FlexAttention's window case read mha_ext at 1.49-1.51x flex
         # timed first, 1.68-1.72x timed second (Xeon model 167; 1.47-1.58x and 1.56-1.66x with
         # the probe before each step).
-        cold = {"before_each": probe.step} if probe else {}
-        samples = interleaved_seconds(steps, warmup=1, repeats=repeats, device=device, **cold)
+        after_probe = {"before_each": probe.step} if probe else {}
+        samples = interleaved_seconds(
+            steps, warmup=1, repeats=repeats, device=device, **after_probe
+        )
         seconds = {name: statistics.median(times) for name, times in samples.items()}
     else:
         seconds = {}
