@@ -265,6 +265,18 @@ def cancel_scale(score_scale, reference_out, grad_out, q, k, dropout_p: float = 
     return abs(score_scale) * delta * largest / (1.0 - dropout_p)
 
 
+def delta_defined_grads(out, lse, inputs, grad_out, delta_error):
+    """(exact, defined): the float64 gradients of inputs through a reference's (out, lse),
+    and as the kernels define them. Their delta = rowsum(dO * O) reads the output as the
+    kernel rounded it, delta_error (lse's shape) off, so they give the gradients of out . dO -
+    sum_rows (delta_error lse), as d lse / d score = P; a row that saw no key (lse -inf)
+    takes none. None where nothing reaches an input."""
+    delta_error = torch.where(torch.isfinite(lse.detach()), delta_error, 0.0)
+    exact = torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
+    defined = torch.autograd.grad((out, lse), inputs, (grad_out, -delta_error), allow_unused=True)
+    return exact, defined
+
+
 def same_grads(
     kernel,
     reference,
@@ -436,11 +448,7 @@ class DenseCase:
         out, lse = self._attend(*views, sinks, operands, torch.float64, dropout_keep)
         grad_out = operands.grad_out.double()
         delta_error = (grad_out * (kernel_out.double() - out.detach())).sum(-1)
-        delta_error = torch.where(torch.isfinite(lse.detach()), delta_error, 0.0)
-        exact = torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
-        defined = torch.autograd.grad(
-            (out, lse), inputs, (grad_out, -delta_error), allow_unused=True
-        )
+        exact, defined = delta_defined_grads(out, lse, inputs, grad_out, delta_error)
         errors = []
         for index, (true, kernel) in enumerate(zip(exact, defined)):
             if true is None or kernel is None or true.numel() == 0:
@@ -970,11 +978,7 @@ class VarlenCase:
         out, lse = self._attend(leaves, sinks, built, torch.float64)  # lse (heads, total_q)
         grad_out = built["grad_out"].double()
         delta_error = (grad_out * (kernel_out.double() - out.detach())).sum(-1).T
-        delta_error = torch.where(torch.isfinite(lse.detach()), delta_error, 0.0)
-        exact = torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
-        defined = torch.autograd.grad(
-            (out, lse), inputs, (grad_out, -delta_error), allow_unused=True
-        )
+        exact, defined = delta_defined_grads(out, lse, inputs, grad_out, delta_error)
         return [
             0.0
             if true is None or kernel is None or true.numel() == 0

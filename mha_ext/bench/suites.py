@@ -1178,9 +1178,12 @@ def run_case(
         # whichever it was, and FlexAttention's window case read mha_ext at 1.49-1.51x flex
         # timed first, 1.68-1.72x timed second (Xeon model 167; 1.47-1.58x and 1.56-1.66x with
         # the probe before each step).
-        after_probe = {"before_each": probe.step} if probe else {}
         samples = interleaved_seconds(
-            steps, warmup=1, repeats=repeats, device=device, **after_probe
+            steps,
+            warmup=1,
+            repeats=repeats,
+            device=device,
+            before_each=probe.step if probe else None,
         )
         seconds = {name: statistics.median(times) for name, times in samples.items()}
     else:
