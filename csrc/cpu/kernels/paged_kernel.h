@@ -262,18 +262,22 @@ struct PagedKernelTraits {
     }
   }
 
-  // Whether the direct path converts an fp8 cache's codes 32 at a time (load_two_vectors, in
-  // natural order): one sign extension of 32 bytes to 16-bit lanes, one shift and one mask give
-  // two vectors' fp16 bits, where a vector at a time takes the three for 16. Xeon model 167,
-  // one thread, bf16 q, 8 sequences, context 4096 from memory (kv_cache_speed.py), two pairs of
-  // runs alternating the builds: 32q/32kv (one row per kv head) 1.47 / 1.50x -> 1.59 / 1.62x
-  // the bf16 cache's tokens/s, 32q/8kv 1.34 / 1.36x -> 1.42 / 1.38x; from L3 (context 512) one
-  // row 21.5 -> 18.3 ns per key and kv head, 4 and 8 rows unchanged. AVX-512 class (AVX2 has
-  // no spare registers for the second vector).
+  // Whether the direct path converts an fp8 cache's codes two vectors at a time
+  // (load_two_vectors, in natural order): one sign extension of 32 bytes (AVX-512) to 16-bit
+  // lanes, one shift and one mask give two vectors' fp16 bits, where a vector at a time takes
+  // the three for one. Xeon model 167, one thread, bf16 q, 8 sequences, context 4096 from
+  // memory (kv_cache_speed.py), two pairs of runs alternating the builds: 32q/32kv (one row per
+  // kv head) 1.47 / 1.50x -> 1.59 / 1.62x the bf16 cache's tokens/s, 32q/8kv 1.34 / 1.36x ->
+  // 1.42 / 1.38x; from L3 (context 512) one row 21.5 -> 18.3 ns per key and kv head, 4 and 8
+  // rows unchanged (their time goes elsewhere than the conversion). The AVX2 kernels at
+  // MHA_EXT_CPU_ISA=avx2 on the same Xeon (16 codes per sign extension), same runs: 32q/32kv
+  // 1.25 / 1.25x -> 1.38 / 1.39x, 32q/8kv 1.11 / 1.14x -> 1.15 / 1.10x; not measured on an
+  // AVX2-only CPU. Every class but the portable build.
   // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py --rounds 3 --clock cpu
-  // --formats bf16 fp8 --flat-contexts 0 0 [--heads 32 --kv-heads 32]
+  // --formats bf16 fp8 --flat-contexts 0 0 [--heads 32 --kv-heads 32], also with
+  // MHA_EXT_CPU_ISA=avx2
   static constexpr bool kConvertFp8InPairs =
-      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
+      kIsaClass != IsaClass::kPortable && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
 
   // Vectors per score step of `keys` keys for `rows` rows: two for one key of an fp32 cache,
   // and for any keys of a bf16 cache widened in pairs (kWidenInPairs), where q's rows hold
@@ -601,6 +605,16 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
         _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
     first = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
     second = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (PagedKernelTraits<scalar_t>::kConvertFp8InPairs) {
+    const __m256i halves = _mm256_and_si256(
+        _mm256_slli_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 7),
+        _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    first = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    second = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
     return;
   }
 #endif
