@@ -359,6 +359,25 @@ C10_ALWAYS_INLINE acc_t cached_unit(cache_t x) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// float8_e4m3fn codes sign-extended to 16-bit lanes, as the fp16 bits of their units
+// (kCacheUnit): shifted left by 7, the sign lands in bit 15 (and 14, cleared), exponent and
+// mantissa in bits 7-13.
+C10_ALWAYS_INLINE __m128i fp8_unit_halves(__m128i codes) {
+  return _mm_and_si128(_mm_slli_epi16(codes, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+C10_ALWAYS_INLINE __m256i fp8_unit_halves(__m256i codes) {
+  return _mm256_and_si256(_mm256_slli_epi16(codes, 7),
+                          _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+C10_ALWAYS_INLINE __m512i fp8_unit_halves(__m512i codes) {
+  return _mm512_and_si512(_mm512_slli_epi16(codes, 7),
+                          _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+#endif
+
 // The first `count` elements of an 8-bit cache row (at most a vector's worth) as fp32 units;
 // lanes past count are 0.
 template <typename cache_t>
@@ -375,20 +394,14 @@ C10_ALWAYS_INLINE at::vec::Vectorized<float> load_quantized_units(const cache_t*
   if constexpr (std::is_same_v<cache_t, int8_t>) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
   } else {
-    // Sign-extended to 16 bits, shifted left by 7: the sign lands in bit 15 (and 14, cleared),
-    // exponent and mantissa in bits 7-13.
-    const __m256i halves = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
-                                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-    return _mm512_cvtph_ps(halves);
+    return _mm512_cvtph_ps(fp8_unit_halves(_mm256_cvtepi8_epi16(bytes)));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
   if constexpr (std::is_same_v<cache_t, int8_t>) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   } else {
-    const __m128i halves = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
-                                         _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-    return _mm256_cvtph_ps(halves);
+    return _mm256_cvtph_ps(fp8_unit_halves(_mm_cvtepi8_epi16(bytes)));
   }
 #else
   float units[kWidth];
@@ -599,20 +612,16 @@ C10_ALWAYS_INLINE void load_two_vectors(const scalar_t* src, at::vec::Vectorized
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (PagedKernelTraits<scalar_t>::kConvertFp8InPairs) {
-    const __m512i halves = _mm512_and_si512(
-        _mm512_slli_epi16(
-            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 7),
-        _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m512i halves = fp8_unit_halves(
+        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
     first = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
     second = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
     return;
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (PagedKernelTraits<scalar_t>::kConvertFp8InPairs) {
-    const __m256i halves = _mm256_and_si256(
-        _mm256_slli_epi16(
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 7),
-        _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m256i halves = fp8_unit_halves(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
     first = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
     second = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
     return;
