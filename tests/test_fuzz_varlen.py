@@ -84,6 +84,7 @@ def test_varlen_forward_and_backward_match_reference(case):
         "lse",
         sum_scale=lse_sums,
         score_scale=scores,
+        score_gain=1.0,
     )
     length = max(case.head_dim, case.head_dim_v, *case.q_lens, *case.k_lens)
     score_scale = case.scale if case.scale is not None else case.head_dim**-0.5
