@@ -330,13 +330,15 @@ def test_attention_every_decode_group_at_model_head_dims(fmt, head_dim):
         )
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_fp8_attention_reads_every_code(group):
+def test_fp8_attention_reads_every_code(group, q_dtype):
     # Every e4m3 code but the two NaNs, subnormals and both zeros included, at many columns
     # of a head dim of 128: with one cached token per sequence, a row's output is that
     # token's value row times v_scale and its logsumexp the token's score, to fp32's rounding
     # (the softmax's weight of the one key is 1 to within an ulp), where a code read wrong is
-    # off by an eighth of its value or more.
+    # off by an eighth of its value or more. A bf16 q takes the keys as bf16 units where the
+    # CPU has AVX512-BF16 (kScoreFp8ByBf16Dots), an fp32 q as fp32 units.
     head_dim, sequences = 128, 64
     codes = torch.arange(256, dtype=torch.int32)
     codes = codes[(codes & 0x7F) != 0x7F]
@@ -347,13 +349,15 @@ def test_fp8_attention_reads_every_code(group):
     tables = torch.arange(sequences, dtype=torch.int32).view(sequences, 1)
     lengths = torch.ones(sequences, dtype=torch.int32)
     cu = torch.arange(sequences + 1, dtype=torch.int32)
-    q = torch.randn(sequences, group, head_dim, generator=seeded_generator(3))
+    q = torch.randn(sequences, group, head_dim, generator=seeded_generator(3)).to(q_dtype)
     out, lse = mha_ext.paged_attention(
         q, k_cache, v_cache, tables, lengths, cu, return_lse=True, **scales
     )
     k64, v64 = dequantized(k_cache, scales, "k"), dequantized(v_cache, scales, "v")
     ref, ref_lse = paged_attention_reference(q.double(), k64, v64, tables, lengths, cu)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)
+    # the output rounds to q's dtype: half a unit of its precision
+    rtol = 1e-6 if q_dtype == torch.float32 else torch.finfo(q_dtype).eps / 2
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=0)
     # The fp32 dot product's rounding, relative to its terms' magnitudes (the keys' codes
     # reach 448 x k_scale, and their terms cancel).
     terms = q.double() * k64[:, 0, 0].unsqueeze(1) / head_dim**0.5
