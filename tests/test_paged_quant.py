@@ -471,16 +471,20 @@ def test_quantized_ops_opcheck():
 # ---------------------------------------------------------------- forced ISAs
 
 # Every direct-path row count and the gathered path, all features on, the decode groups at
-# model head dims, and the integer path's edges (int8_attention), under each ISA build.
+# model head dims, the integer path's edges (int8_attention) and every fp8 code, under each
+# ISA build.
 FORCED_ISA_SELECTION = (
     "every_direct_row_count or every_decode_group or int8_attention or append_writes_exactly"
+    " or fp8_attention_reads_every_code"
 )
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512_bf16"])
 def test_forced_isa_builds(isa):
-    # avx512 runs the build of the levels above it, but scores a 16-bit q in fp32.
+    # avx512 runs the build of the levels above it, but scores a 16-bit q in fp32;
+    # avx512_bf16 scores a bf16 q's fp8 keys by VDPBF16PS, which the AMX Xeons' avx512_amx
+    # level leaves to the FMAs.
     skip_unless_isa_rerun_adds(isa, compare_builds=False)
     assert_tests_pass_under_isa(isa, ["test_paged_quant.py"], FORCED_ISA_SELECTION)
 
