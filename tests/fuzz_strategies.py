@@ -25,7 +25,7 @@ import mha_ext
 import mha_ext.flash_attn_interface as flash_attn
 from mha_ext.reference import attention_reference, attention_varlen_reference
 
-from conftest import GRAD_FACTOR, ROUNDING_UNITS, max_error, seeded_generator
+from conftest import GRAD_FACTOR, OUTPUT_FACTOR, ROUNDING_UNITS, max_error, seeded_generator
 
 _SHARED = {
     # Each example is small and builds its tensors from a seed, so the timing of one says
@@ -214,6 +214,21 @@ def check_rule(
     assert error <= allowed, (
         f"{what}: max error {error:.3e} exceeds {allowed:.3e} "
         f"({factor}x plain PyTorch's {plain_error:.3e} + rounding)"
+    )
+
+
+def check_logsumexp(lse, reference64, plain, sum_scale: float = 1.0, score_scale: float = 0.0):
+    """check_rule on a logsumexp, at the outputs' factor: it moves by sum_i p_i ds_i, so its
+    scores' rounding reaches it unscaled (score_gain 1)."""
+    check_rule(
+        lse,
+        reference64,
+        plain,
+        OUTPUT_FACTOR,
+        "lse",
+        sum_scale=sum_scale,
+        score_scale=score_scale,
+        score_gain=1.0,
     )
 
 
