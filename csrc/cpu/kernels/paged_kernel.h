@@ -410,7 +410,8 @@ inline constexpr std::array<int16_t, 32> kFp8SmallUnits = [] {
 // and mantissa in bits 4-10; 112 on the exponent rebiases e4m3's 7 to bf16's 127 less the
 // units' 8. Codes of exponent 0, which have no implicit leading 1, take their units from
 // kFp8SmallUnits (indexed by the code's low bits, the mantissa) with their sign.
-C10_ALWAYS_INLINE __m512i fp8_bf16_units(__m512i codes, __m512i small_units) {
+C10_ALWAYS_INLINE __m512i fp8_bf16_units(__m512i codes) {
+  const __m512i small_units = _mm512_loadu_si512(kFp8SmallUnits.data());
   const __m512i shifted = _mm512_slli_epi16(codes, 4);
   const __m512i sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
   const __m512i normal =
@@ -799,7 +800,6 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
     static_assert(kRequests == ScoreLoopRequests::kNone &&
                       (kInt16 ? Traits::kInt16Dots : Traits::kScoreByBf16Dots || kFp8),
                   "pair dot products");
-    [[maybe_unused]] const __m512i small_units = _mm512_loadu_si512(kFp8SmallUnits.data());
     using Sums = std::conditional_t<kInt16, __m512i, at::vec::Vectorized<float>>;
     Sums acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
     unrolled<kKeys * kRows>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -816,8 +816,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
         if constexpr (kInt16) {
           k[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d));
         } else if constexpr (kFp8) {
-          k[j] = fp8_bf16_units(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d)),
-                                small_units);
+          k[j] = fp8_bf16_units(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d)));
         } else {
           k[j] = _mm512_maskz_loadu_epi16(lanes, keys[j] + d);
         }
