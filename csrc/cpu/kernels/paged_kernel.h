@@ -131,16 +131,24 @@ struct PagedKernelTraits {
   // 15.3-16.0.
   // 8-row tiles (llama2-70b, 10.1 against 10.8) and bf16 caches (8.9 against 9.6) are bound
   // by their arithmetic and lost to the value pass's extra work.
-  // AVX-512 class (Zen 5): every tile of 2 or more rows, with kValuesRequestedTileAhead: fp32
-  // 32q/8kv from memory on one core, medians of 15 rounds alternating the builds of a
-  // standalone harness, 13.2 -> 14.6 GB/s; through the op (the suite) on two cores
+  // AVX-512 class: every tile, with kValuesRequestedTileAhead. Tiles of 2 or more rows on
+  // Zen 5: fp32 32q/8kv from memory on one core, medians of 15 rounds alternating the builds
+  // of a standalone harness, 13.2 -> 14.6 GB/s; through the op (the suite) on two cores
   // 21.5-27.1 -> 23.2-33.5 GB/s in alternating runs (the VM's streaming rate moved between 31
   // and 48 GB/s meanwhile).
+  // 1-row tiles (one q head per kv head, llama2-7b's decode) joined on Zen 4 (family 25 model
+  // 17), whose one-row score pass outran its requests 16 keys ahead: a bf16 cache from memory
+  // at 13.8 GB/s on one core against 41 in L3. Alternating builds: the suite (below, --dtype
+  // bfloat16), llama2-7b 25.4-29.1 -> 29.6-36.0 GB/s (65-71% -> 79-97% of the streaming read
+  // measured beside it), --dtype float32 28.0-37.1 -> 32.0-38.1 GB/s (93-96% -> 97-107%);
+  // 8q/8kv, 8 sequences x 4096 tokens on two threads, CPU time per key and kv head: bf16
+  // 33.5-34.2 -> 24.9-28.8 ns, int8 16.3-17.1 -> 11.1-11.4, fp8 17.7-18.5 -> 16.5-16.8. Not
+  // measured on Zen 5 or the Xeons.
   // Check: paged_bench 'paged_decode/batch:8/heads:32/kv_heads:(8|32)/.*dtype:0' (also with
-  // OMP_NUM_THREADS=1) and the suite with --dtype float32
+  // OMP_NUM_THREADS=1) and the suite with --dtype float32 and bfloat16
   static constexpr bool value_pass_requests_keys(int64_t rows) {
     if constexpr (kIsaClass == IsaClass::kAvx512) {
-      return rows > 1;
+      return true;
     } else {
       return sizeof(scalar_t) == 4 && rows <= kValueRowGroup;
     }
