@@ -112,6 +112,58 @@ def test_append_writes_exactly_the_quantized_rows(fmt, dtype, block_size, layout
         assert scales["k_scales"][3 // block_size, 0, 3 % block_size] == 0  # the zero row
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "tokens, kv_heads", [(48, 12), (1, 132)], ids=["tokens_and_heads", "one_token"]
+)
+@pytest.mark.parametrize("fmt", ["plain", *FORMATS])
+def test_append_large_enough_to_split(fmt, tokens, kv_heads, threads):
+    # Appends large enough to run on several threads (the 8-bit ones of one token too), split by
+    # tokens and by groups of kv heads (12: a group of 8 and one of 4 on AVX-512; 132: 16 and a
+    # half), padding tokens among them: every row lands where the reference puts it, whatever
+    # the thread count.
+    num_blocks, block_size, head_dim = 16, 4, 128
+    if fmt == "plain":
+        k_cache, v_cache = (
+            torch.full((num_blocks, kv_heads, block_size, head_dim), float("nan")).bfloat16()
+            for _ in "kv"
+        )
+        scales = {}
+    else:
+        k_cache, v_cache, scales = new_cache(fmt, num_blocks, kv_heads, block_size, head_dim)
+    generator = seeded_generator(7)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
+    slots[1::5] = -1
+    key, value = (
+        torch.randn(tokens, kv_heads, head_dim, generator=generator).bfloat16() * 10.0 ** (i - 1)
+        for i in range(2)
+    )
+    expected = {"k": k_cache.clone(), "v": v_cache.clone()}
+    expected_scales = {w: scales[f"{w}_scales"].clone() for w in "kv" if fmt == "int8"}
+    for which, rows in (("k", key), ("v", value)):
+        stored, row_scales = (
+            (rows, None) if fmt == "plain" else expected_rows(fmt, rows, scales, which)
+        )
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                expected[which][slot // block_size, :, slot % block_size] = stored[token]
+                if row_scales is not None:
+                    expected_scales[which][slot // block_size, :, slot % block_size] = row_scales[
+                        token
+                    ]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mha_ext.paged_kv_append(key, value, k_cache, v_cache, slots, **scales)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(bits(k_cache), bits(expected["k"]))
+    assert torch.equal(bits(v_cache), bits(expected["v"]))
+    for which, expected_scale in expected_scales.items():
+        assert torch.equal(bits(scales[f"{which}_scales"]), bits(expected_scale)), which
+
+
 def test_reference_quantizers_round_half_to_even_and_saturate():
     stored, scale = quantize_int8(torch.tensor([[127.0, 0.5, 1.5, -2.5, 2.5]]))
     assert scale.item() == 1.0 and stored.tolist() == [[127, 0, 2, -2, 2]]

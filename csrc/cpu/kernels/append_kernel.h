@@ -420,13 +420,20 @@ struct Int8Row {
   float* scale;
 };
 
-// Row r of token t, whose slot is `slot`: the key of kv head r, or for r >= num_kv_heads the
-// value of kv head r - num_kv_heads.
+// The kv heads [begin, end) of one token: the rows one task of the append writes.
+struct HeadRange {
+  int64_t begin;
+  int64_t end;
+  int64_t size() const { return end - begin; }
+};
+
+// Row r of token t's heads `heads`, whose slot is `slot`: the key of kv head heads.begin + r,
+// or for r >= heads.size() the value of kv head heads.begin + r - heads.size().
 template <typename in_t>
 C10_ALWAYS_INLINE Int8Row<in_t> int8_row(const PagedAppendParams& p, int64_t t, CacheSlot slot,
-                                         int64_t r) {
-  const bool is_key = r < p.num_kv_heads;
-  const int64_t h = is_key ? r : r - p.num_kv_heads;
+                                         HeadRange heads, int64_t r) {
+  const bool is_key = r < heads.size();
+  const int64_t h = heads.begin + (is_key ? r : r - heads.size());
   const TokenStrides& in_strides = is_key ? p.key_strides : p.value_strides;
   const QuantScales& scales = is_key ? p.k_scales : p.v_scales;
   const auto* in = static_cast<const in_t*>(is_key ? p.key : p.value);
@@ -436,20 +443,20 @@ C10_ALWAYS_INLINE Int8Row<in_t> int8_row(const PagedAppendParams& p, int64_t t, 
           scales.per_row + cache_row_offset(scales.strides, slot, h)};
 }
 
-// The 2 * num_kv_heads int8 rows of token t. On the vector ISAs a vector's width of rows at a
-// time: their lane maxima reduce together into one vector of absmaxes, and one division each
-// gives their scales and the reciprocals; a row at a time, the reduction and two scalar
-// divisions made a chain of latencies longer than the row's quantizing.
+// The 2 * heads.size() int8 rows of token t's heads. On the vector ISAs a vector's width of
+// rows at a time: their lane maxima reduce together into one vector of absmaxes, and one
+// division each gives their scales and the reciprocals; a row at a time, the reduction and two
+// scalar divisions made a chain of latencies longer than the row's quantizing.
 template <typename in_t>
-void append_int8_token(const PagedAppendParams& p, int64_t t, CacheSlot slot) {
-  const int64_t rows = 2 * p.num_kv_heads;
+void append_int8_rows(const PagedAppendParams& p, int64_t t, CacheSlot slot, HeadRange heads) {
+  const int64_t rows = 2 * heads.size();
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t kGroup = FloatVec::size();
   for (int64_t first = 0; first < rows; first += kGroup) {
     const int64_t count = std::min(kGroup, rows - first);
     FloatVec lane_max[kGroup];
     for (int64_t r = 0; r < kGroup; ++r) {
-      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, first + std::min(r, count - 1));
+      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, heads, first + std::min(r, count - 1));
       lane_max[r] = r < count ? lane_absmax(row.in, row.dim) : FloatVec(0.f);
     }
     const FloatVec scales = max_of_each(lane_max) / FloatVec(127.f);
@@ -458,14 +465,14 @@ void append_int8_token(const PagedAppendParams& p, int64_t t, CacheSlot slot) {
     scales.store(scale);
     (FloatVec(1.f) / scales).store(reciprocal);
     for (int64_t r = 0; r < count; ++r) {
-      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, first + r);
+      const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, heads, first + r);
       quantize_int8_row(row.in, row.dim, scale[r], reciprocal[r], row.out);
       *row.scale = scale[r];
     }
   }
 #else
   for (int64_t r = 0; r < rows; ++r) {
-    const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, r);
+    const Int8Row<in_t> row = int8_row<in_t>(p, t, slot, heads, r);
     *row.scale = quantize_int8_row(row.in, row.dim, row.out);
   }
 #endif
@@ -571,6 +578,24 @@ C10_ALWAYS_INLINE void write_row(const PagedAppendParams& p, const char* row, in
   }
 }
 
+// The kv heads of one task: as many as the int8 quantizer groups (a vector's width of rows, a
+// key and a value row per head), so that tasks split no group.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kAppendTaskHeads = FloatVec::size() / 2;
+#else
+constexpr int64_t kAppendTaskHeads = 8;
+#endif
+
+// The work below which an append runs on the calling thread, in bytes of a plain copy (a
+// quantized element counts as 8: quantizing a bf16 element cost about four times copying it).
+// A second thread pays where its share outweighs waking it: a decode step of 8 sequences (D128,
+// bf16 rows), us per token on one thread against two (Zen 4): int8 at 8 / 16 / 32 kv heads
+// 0.55 / 0.89 / 1.51 -> 0.52 / 0.70 / 0.99, bf16 at 32 kv heads 0.63 -> 0.57, but int8 at 8 kv
+// heads appended back to back (the flatness rounds below) 0.57 -> 0.82.
+// Check: python benchmarks/kv_cache_speed.py --rounds 7 --formats bf16 int8 fp8 [--heads 32
+// --kv-heads 32]
+constexpr int64_t kParallelAppendBytes = 256 * 1024;
+
 template <typename in_t>
 void paged_kv_append_kernel(const PagedAppendParams& p) {
   const char* key = static_cast<const char*>(p.key);
@@ -581,15 +606,22 @@ void paged_kv_append_kernel(const PagedAppendParams& p) {
   const int64_t cache_bytes = p.format == CacheFormat::kPlain ? in_bytes : 1;
   const Float8Divisor k_divisor = float8_divisor(p.k_scales.per_tensor);
   const Float8Divisor v_divisor = float8_divisor(p.v_scales.per_tensor);
-  parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  const int64_t tasks_per_token = ceil_div(p.num_kv_heads, kAppendTaskHeads);
+  const int64_t tasks = p.num_tokens * tasks_per_token;
+  const int64_t work = p.num_tokens * p.num_kv_heads * (p.head_dim + p.head_dim_v) *
+                       (p.format == CacheFormat::kPlain ? in_bytes : 8);
+  parallel_for(0, tasks, work < kParallelAppendBytes ? tasks : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / tasks_per_token;
       if (p.slot_mapping[t] < 0) continue;  // padding token
       const CacheSlot slot = slot_location(p.slot_mapping[t], p.block_size);
+      const int64_t first_head = task % tasks_per_token * kAppendTaskHeads;
+      const HeadRange heads{first_head, std::min(first_head + kAppendTaskHeads, p.num_kv_heads)};
       if (p.format == CacheFormat::kInt8) {
-        append_int8_token<in_t>(p, t, slot);
+        append_int8_rows<in_t>(p, t, slot, heads);
         continue;
       }
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int64_t h = heads.begin; h < heads.end; ++h) {
         write_row<in_t>(
             p, key + (t * p.key_strides.token + h * p.key_strides.head) * in_bytes, p.head_dim,
             k_cache + cache_row_offset(p.k_cache_strides, slot, h) * cache_bytes, k_divisor);
