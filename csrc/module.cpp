@@ -48,8 +48,10 @@ PyObject* split_list(const std::string& items) {
 
 PyObject* build_info(PyObject*, PyObject*) {
   const char* active_isa = nullptr;
+  bool vbmi = false;
   try {
     active_isa = mha_ext::cpu::cpu_isa_name(mha_ext::cpu::active_cpu_isa());
+    vbmi = mha_ext::cpu::avx512_vbmi_enabled();
   } catch (const std::exception& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
@@ -65,7 +67,8 @@ PyObject* build_info(PyObject*, PyObject*) {
             set_item(info, "torch_version",
                      PyUnicode_FromString(MHA_EXT_STRINGIFY(MHA_EXT_TORCH_VERSION))) &&
             set_item(info, "cpu_isas", isas) &&
-            set_item(info, "cpu_isa", PyUnicode_FromString(active_isa));
+            set_item(info, "cpu_isa", PyUnicode_FromString(active_isa)) &&
+            set_item(info, "cpu_vbmi", PyBool_FromLong(vbmi));
 #if defined(MHA_EXT_WITH_CUDA)
   const std::string cuda_version =
       std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);

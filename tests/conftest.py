@@ -177,22 +177,23 @@ def skip_unless_isa_rerun_adds(isa: str, *, compare_builds: bool) -> None:
 
 
 def assert_tests_pass_under_isa(
-    isa: str, files: Sequence[str], selection: Optional[str] = None, min_passed: int = 1
+    isa: Optional[str],
+    files: Sequence[str],
+    selection: Optional[str] = None,
+    min_passed: int = 1,
+    env: Optional[dict] = None,
 ) -> None:
     """Runs pytest on files (in tests/), -k selection where given, in a subprocess under
-    MHA_EXT_CPU_ISA=isa; fails with the output's tail unless no test fails and at least
-    min_passed pass."""
+    MHA_EXT_CPU_ISA=isa (None: the default ISA) and the variables in env; fails with the
+    output's tail unless no test fails and at least min_passed pass."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if selection is not None:
         command += ["-k", selection]
     command += [str(TESTS_DIR / name) for name in files]
-    result = subprocess.run(
-        command,
-        env={**os.environ, "MHA_EXT_CPU_ISA": isa},
-        capture_output=True,
-        text=True,
-        cwd=TESTS_DIR,
-    )
+    variables = {**os.environ, **(env or {})}
+    if isa is not None:
+        variables["MHA_EXT_CPU_ISA"] = isa
+    result = subprocess.run(command, env=variables, capture_output=True, text=True, cwd=TESTS_DIR)
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0, output
     summary = (result.stdout.strip().splitlines() or [""])[-1]

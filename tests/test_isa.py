@@ -5,6 +5,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ def test_build_info_reports_what_was_compiled():
     expected = expected if X86 else ["generic"]
     assert info["cpu_isas"] == expected
     assert info["cpu_isa"] in info["cpu_isas"]
+    assert isinstance(info["cpu_vbmi"], bool)
     assert isinstance(info["cuda_archs"], list)
     assert (info["cuda_version"] is None) == (info["cuda_archs"] == [])
 
@@ -91,6 +93,38 @@ def test_isa_beyond_this_cpu_is_a_clear_error():
     assert result.returncode != 0
     expected = f"MHA_EXT_CPU_ISA={beyond[-1]} but this CPU does not support {beyond[-1]}"
     assert expected in result.stderr
+
+
+def vbmi_reported_with(setting):
+    """The completed run of a child that prints build_info()'s cpu_vbmi under
+    MHA_EXT_CPU_VBMI=setting."""
+    return subprocess.run(
+        [sys.executable, "-c", "import mha_ext; print(mha_ext.build_info()['cpu_vbmi'])"],
+        env={**os.environ, "MHA_EXT_CPU_VBMI": setting},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_vbmi_setting_is_checked_and_follows_the_cpu_flags():
+    bad = vbmi_reported_with("yes")
+    assert bad.returncode != 0
+    assert "MHA_EXT_CPU_VBMI=yes is neither 0 nor 1" in bad.stderr
+    off = vbmi_reported_with("0")
+    assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
+    if os.environ.get("MHA_EXT_CPU_ISA") or os.environ.get("MHA_EXT_CPU_VBMI"):
+        return
+    if not X86 or not Path("/proc/cpuinfo").exists():
+        assert mha_ext.build_info()["cpu_vbmi"] is False
+        return
+    # The VBMI paths run from the avx512_vnni level on, where Linux lists the CPU's VBMI.
+    flags_line = next(
+        line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+    )
+    flags = set(flags_line.split(":", 1)[1].split())
+    level = mha_ext.build_info()["cpu_isa"]
+    expected = "avx512vbmi" in flags and level in ("avx512_vnni", "avx512_bf16", "avx512_amx")
+    assert mha_ext.build_info()["cpu_vbmi"] == expected
 
 
 def test_unknown_isa_is_a_clear_error():

@@ -1,6 +1,8 @@
 """8-bit paged KV caches (int8 with per-row scales, float8_e4m3fn with per-tensor scales):
 exact quantizing appends, paged attention over the values the cache holds, bad input."""
 
+import os
+
 import pytest
 import torch
 
@@ -356,14 +358,15 @@ def test_attention_block_sizes_and_groups(fmt, block_size, heads):
     check_quantized_attention(fmt, lengths, queries, *heads, 48, block_size, torch.float32, {})
 
 
-@pytest.mark.parametrize("head_dim", [40, 44])
+@pytest.mark.parametrize("head_dim", [40, 44, 100])
 @pytest.mark.parametrize("dtype", QUERY_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype, head_dim):
     # Chunks of 1..9 queries of one kv head: each direct-path row count and the gathered
     # path, every score feature on, head dims with a ragged last vector: 40 on AVX-512 (and
     # AVX2's int16 scores, 16 elements a step), 44 on every ISA (and AVX2's int16 values, 8
-    # columns a step, leave 4 columns over).
+    # columns a step, leave 4 columns over), 100 a whole 64 (the fp8 byte tables' group) and
+    # 36 more.
     queries = list(range(1, 10))
     lengths = [q + 90 for q in queries]
     arguments = feature_arguments("all", 8, len(lengths))
@@ -539,6 +542,20 @@ def test_forced_isa_builds(isa):
     # level leaves to the FMAs.
     skip_unless_isa_rerun_adds(isa, compare_builds=False)
     assert_tests_pass_under_isa(isa, ["test_paged_quant.py"], FORCED_ISA_SELECTION)
+
+
+@pytest.mark.cpu_only
+def test_paths_of_cpus_without_vbmi():
+    # MHA_EXT_CPU_VBMI=0 runs what a CPU of the same level without AVX512-VBMI runs (Cooper
+    # Lake at avx512_bf16, Cascade Lake at avx512_vnni): the fp8 codes converted without the
+    # byte tables in both passes.
+    if os.environ.get("MHA_EXT_CPU_ISA") or os.environ.get("MHA_EXT_CPU_VBMI"):
+        pytest.skip("already running under a forced ISA or VBMI setting")
+    if not mha_ext.build_info()["cpu_vbmi"]:
+        pytest.skip("this CPU runs no AVX512-VBMI path")
+    assert_tests_pass_under_isa(
+        None, ["test_paged_quant.py"], FORCED_ISA_SELECTION, env={"MHA_EXT_CPU_VBMI": "0"}
+    )
 
 
 # A bf16 decode over an int8 cache, its output saved to argv[1].

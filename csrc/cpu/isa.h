@@ -34,6 +34,14 @@ std::vector<CpuIsa> compiled_cpu_isas();
 // process: the avx512_amx level's class, and the first condition of the AMX peak probe.
 bool cpu_has_amx_bf16();
 
+// Whether the AVX-512 build may run its AVX512-VBMI paths (byte permutes across a whole
+// register, as assembly): from the avx512_vnni level on, where the CPU reports VBMI (Ice Lake
+// and later Xeons, AMD Zen 4 and 5; not Skylake-SP, Cascade Lake or Cooper Lake) and
+// MHA_EXT_CPU_VBMI is not 0, which tests set to run the paths of the CPUs without it. Not a
+// level of its own, as Cooper Lake has AVX512-BF16 without VBMI. Fixed at first use; throws
+// std::runtime_error where MHA_EXT_CPU_VBMI is neither 0 nor 1 (or MHA_EXT_CPU_ISA is bad).
+bool avx512_vbmi_enabled();
+
 // Chosen on first use and fixed for the life of the process. Throws std::runtime_error
 // when MHA_EXT_CPU_ISA names an unknown ISA or one this CPU lacks.
 CpuIsa active_cpu_isa();

@@ -223,6 +223,26 @@ struct PagedKernelTraits {
   static constexpr bool kScoreFp8ByBf16Dots =
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
 
+  // Whether fp8 codes are converted to bf16 or fp32 units by two byte-table look-ups
+  // (AVX512-VBMI's VPERMI2B over 128 entries) and interleaves, 64 codes at a time
+  // (fp8_bf16_units_by_tables), where avx512_vbmi_enabled(): in the score pass of
+  // kScoreFp8ByBf16Dots, against fp8_bf16_units' seven operations per 32 codes (four of them
+  // for the subnormals), and in the value pass (value_by_fp8_tables), against VCVTPH2PS. Both
+  // exact; the tables leave the codes out of order within each 64, which q's rows
+  // (fp8_table_order) and O's slices follow. Zen 4 (family 25 model 17), bf16 q, 32q/8kv D128,
+  // builds alternated: standalone loops over codes in L1 (4 rows), the score pass 8.5 -> 6.5
+  // ns per key and the value pass 12.8 -> 11.4; the decode on one thread from L2 (context 512,
+  // 8 sequences, the script below with --in-cache) 8300 -> 10300 tokens/s (0.78x -> 0.92x the
+  // bf16 cache's), from memory (context 4096) 0.84-0.85x -> 1.02-1.06x, on two threads 1.08 /
+  // 1.11x -> 1.23 / 1.30x; one query head per kv head, one thread from L2, 17.7-18.0 -> 11.5-
+  // 11.9 ns per key and kv head. AVX-512 class, on CPUs with VBMI (Ice Lake and later Xeons,
+  // Zen 4 and 5; not measured on the Xeons).
+  // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py --rounds 3 --clock cpu
+  // --formats bf16 fp8 --flat-contexts 0 0 [--in-cache --context 512], and with
+  // MHA_EXT_CPU_VBMI=0
+  static constexpr bool kFp8ByTables =
+      kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
+
   // Whether the direct path multiplies an int8 cache in integers, for a bf16 or fp16 q: in both
   // passes dot products of int16 pairs, on AVX-512 AVX512-VNNI's VPDPWSSD, one instruction for 32
   // elements of one row, where converting 16 cached elements to fp32 took two and then an FMA per
@@ -352,6 +372,15 @@ struct PagedKernelTraits {
     return rows * 4 + 4 + 1 <= kVectorRegisters ? 4 : 2;
   }
 
+  // Whether the value pass of `rows` rows converts an fp8 cache's whole groups of 64 codes by
+  // byte tables (fp8_float_units_by_tables, kFp8ByTables): where its O slice is 4 vectors and
+  // the accumulators leave room for the tables, the sign mask and the zero (up to 5 rows).
+  // Its codes come out with the 128-bit lanes of the slice's four vectors transposed, which
+  // O's slice takes while in registers (8 shuffles a row at each end of the slice).
+  static constexpr bool value_by_fp8_tables(int rows) {
+    return kFp8ByTables && value_vectors(rows) == 4 && rows * 4 + 4 + 1 + 6 <= kVectorRegisters;
+  }
+
   // value_vectors for the int16 value pass (kInt16Dots), whose key pairs take a vector per O
   // vector: on AVX2 8 rows x 2 vectors would not fit, and take one.
   static constexpr int int16_value_vectors(int rows) {
@@ -430,6 +459,101 @@ C10_ALWAYS_INLINE __m512i fp8_bf16_units(__m512i codes) {
   const __m512i small =
       _mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(codes, small_units), shifted, sign, 0xF8);
   return _mm512_mask_mov_epi16(normal, exponent_zero, small);
+}
+
+// The bf16 bits of the units (kCacheUnit) of the float8_e4m3fn magnitude codes 0-127, as two
+// tables of 128 bytes: low[m] and high[m], the bits' low and high byte (the code 0x7F, NaN, as
+// 480: see kCacheUnit).
+struct Fp8UnitByteTables {
+  std::array<uint8_t, 128> low{}, high{};
+};
+inline constexpr Fp8UnitByteTables kFp8UnitBytes = [] {
+  Fp8UnitByteTables tables;
+  for (int m = 0; m < 128; ++m) {
+    const int exponent = m >> 3, mantissa = m & 7;
+    // exponent 0: mantissa 2^-17 (kFp8SmallUnits), else 2^(exponent - 15) (1 + mantissa / 8)
+    const int bits =
+        exponent == 0 ? kFp8SmallUnits[mantissa] : (exponent + 112) << 7 | mantissa << 4;
+    tables.low[m] = static_cast<uint8_t>(bits & 0xFF);
+    tables.high[m] = static_cast<uint8_t>(bits >> 8);
+  }
+  return tables;
+}();
+
+// Byte i of the result: table[index byte i & 127], table = [table_low, table_high] (128
+// bytes). VPERMI2B, AVX512-VBMI, as assembly for the reason of add_bf16_pair_dots; it runs only
+// where avx512_vbmi_enabled().
+C10_ALWAYS_INLINE __m512i look_up_bytes(__m512i index, __m512i table_low, __m512i table_high) {
+  asm("vpermi2b %2, %1, %0" : "+v"(index) : "v"(table_low), "v"(table_high));
+  return index;
+}
+
+// 64 float8_e4m3fn codes as the bf16 bits of their units (kCacheUnit), exactly, in two
+// vectors, by two byte-table look-ups (kFp8UnitBytes: low bytes in table_low..., high bytes in
+// table_high...) and one byte interleave per 32: `first` holds codes 16k + [0, 8) of each
+// 128-bit lane k, `second` codes 16k + [8, 16) (fp8_table_order). The code's sign joins the
+// high byte.
+struct Fp8ByteTables {
+  __m512i low_first, low_second, high_first, high_second;  // kFp8UnitBytes' halves
+};
+C10_ALWAYS_INLINE Fp8ByteTables load_fp8_byte_tables() {
+  return {_mm512_loadu_si512(kFp8UnitBytes.low.data()),
+          _mm512_loadu_si512(kFp8UnitBytes.low.data() + 64),
+          _mm512_loadu_si512(kFp8UnitBytes.high.data()),
+          _mm512_loadu_si512(kFp8UnitBytes.high.data() + 64)};
+}
+C10_ALWAYS_INLINE void fp8_bf16_units_by_tables(__m512i codes, const Fp8ByteTables& tables,
+                                                __m512i& first, __m512i& second) {
+  const __m512i low = look_up_bytes(codes, tables.low_first, tables.low_second);
+  // A | (B & C): the magnitude's high byte with the code's sign bit
+  const __m512i high =
+      _mm512_ternarylogic_epi32(look_up_bytes(codes, tables.high_first, tables.high_second), codes,
+                                _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  first = _mm512_unpacklo_epi8(low, high);
+  second = _mm512_unpackhi_epi8(low, high);
+}
+
+// 64 float8_e4m3fn codes as fp32 units (kCacheUnit), exactly, in units[0, 4):
+// fp8_bf16_units_by_tables' bf16 bits widened, units[j] holding codes 16k + 4j + [0, 4) in 128-bit
+// lane k: the 128-bit lanes of the four vectors in natural order, transposed (transpose_lanes_4x4).
+C10_ALWAYS_INLINE void fp8_float_units_by_tables(const c10::Float8_e4m3fn* codes,
+                                                 const Fp8ByteTables& tables,
+                                                 at::vec::Vectorized<float>* units) {
+  __m512i first, second;
+  fp8_bf16_units_by_tables(_mm512_loadu_si512(codes), tables, first, second);
+  const __m512i zero = _mm512_setzero_si512();
+  units[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, first));
+  units[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, first));
+  units[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, second));
+  units[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, second));
+}
+
+// v[j]'s 128-bit lane k <-> v[k]'s lane j, for four vectors: its own inverse.
+C10_ALWAYS_INLINE void transpose_lanes_4x4(at::vec::Vectorized<float>* v) {
+  const __m512 low01 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);  // lanes 0, 1 of v[0], of v[1]
+  const __m512 high01 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 low23 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+  const __m512 high23 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  v[0] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+  v[1] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+  v[2] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+  v[3] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+}
+
+// Reorders each whole group of 64 elements of a bf16 row[0, dim) into the order
+// fp8_bf16_units_by_tables leaves 64 codes in: elements 16k + [0, 8) for k = 0..3, then 16k + [8,
+// 16). Elements past the last whole group stay in place.
+inline void fp8_table_order(c10::BFloat16* row, int64_t dim) {
+  for (int64_t group = 0; group + 64 <= dim; group += 64) {
+    c10::BFloat16 copy[64];
+    std::copy(row + group, row + group + 64, copy);
+    for (int half = 0; half < 2; ++half) {
+      for (int k = 0; k < 4; ++k) {
+        std::copy(copy + 16 * k + 8 * half, copy + 16 * k + 8 * half + 8,
+                  row + group + 32 * half + 8 * k);
+      }
+    }
+  }
 }
 #endif
 
@@ -962,6 +1086,59 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// score_keys for an fp8 cache and a bf16 q (kScoreFp8ByBf16Dots) where avx512_vbmi_enabled():
+// each whole 64 codes of a key converted by byte tables (fp8_bf16_units_by_tables), with q's
+// rows in fp8_table_order, the rest of the row (under 64 elements) as score_keys converts it, q
+// there in natural order. Keys are converted 4 at a time, whose two vectors each, the tables
+// and the accumulators of 4 rows fit the registers. The same products as score_keys' (each
+// exact in fp32), summed in another order.
+template <int kRows, int kKeys>
+C10_ALWAYS_INLINE void score_fp8_keys_by_tables(const c10::BFloat16* q, int64_t ld_q,
+                                                const c10::Float8_e4m3fn* const* keys, int64_t dim,
+                                                float scale, float* scores, int64_t ld_s) {
+  constexpr int kGroupKeys = std::min(kKeys, 4);
+  static_assert(kKeys % kGroupKeys == 0, "whole groups of keys");
+  at::vec::Vectorized<float> acc[kKeys * kRows];  // acc[j * kRows + r]: part of q[r] . keys[j]
+  unrolled<kKeys * kRows>(
+      [&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = at::vec::Vectorized<float>(0.f); });
+  auto add_dots = [&](int j, int r, __m512i q_part, __m512i k_part) C10_ALWAYS_INLINE_ATTRIBUTE {
+    acc[j * kRows + r] = add_bf16_pair_dots(acc[j * kRows + r], q_part, k_part);
+  };
+  const Fp8ByteTables tables = load_fp8_byte_tables();
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {
+    unrolled<kKeys / kGroupKeys>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+      __m512i first[kGroupKeys], second[kGroupKeys];
+      unrolled<kGroupKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        fp8_bf16_units_by_tables(_mm512_loadu_si512(keys[group * kGroupKeys + j] + d), tables,
+                                 first[j], second[j]);
+      });
+      unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+        const __m512i q_first = _mm512_loadu_si512(q + r * ld_q + d);
+        const __m512i q_second = _mm512_loadu_si512(q + r * ld_q + d + 32);
+        unrolled<kGroupKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+          add_dots(group * kGroupKeys + j, r, q_first, first[j]);
+          add_dots(group * kGroupKeys + j, r, q_second, second[j]);
+        });
+      });
+    });
+  }
+  for (; d < dim; d += 32) {
+    const __mmask32 lanes = lanes_below<__mmask32>(dim - d);
+    __m512i k[kKeys];
+    unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      k[j] = fp8_bf16_units(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(lanes, keys[j] + d)));
+    });
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      const __m512i q_r = _mm512_maskz_loadu_epi16(lanes, q + r * ld_q + d);
+      unrolled<kKeys>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE { add_dots(j, r, q_r, k[j]); });
+    });
+  }
+  store_dot_products<kRows, kKeys>(acc, scale, scores, ld_s);
+}
+#endif
+
 // S[r, c] = scale q[r] . k_c for r < kRows and the tile's keys c < cols (s_tile [kRows, ld_s]),
 // the keys read in place; q is fp32 (pre-scaled, scale 1) or, for kScoreByBf16Dots, bf16. Value
 // row value_rows[c] (c < values_listed) is requested as key c is scored: the tile's own (below)
@@ -978,7 +1155,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 // cache. `score` is inlined by force: in the extension GCC left it out of line for 3 to 8 rows,
 // a call per key (it did inline it in a standalone build of the kernel), and 64q/8kv through the
 // op read 7.1-7.6 GB/s so against 9.8-11.0 inlined.
-template <int kRows, typename q_t, typename scalar_t, typename acc_t>
+template <int kRows, bool kFp8Tables = false, typename q_t, typename scalar_t, typename acc_t>
 void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t>& keys,
                 const scalar_t* const* value_rows, int64_t values_listed, int64_t cols, int64_t dim,
                 int64_t dim_v, acc_t* s_tile, int64_t ld_s) {
@@ -998,6 +1175,12 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
         if (c + j < values_listed) prefetch_row(value_rows[c + j], dim_v);
       }
     }
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kFp8Tables) {
+      return score_fp8_keys_by_tables<kRows, kKeys>(q, ld_q, keys.rows + c, dim, scale, s_tile + c,
+                                                    ld_s);
+    }
+#endif
     score_keys<kRows, kKeys, kRequests>(q, ld_q, keys.rows + c, dim, scale, s_tile + c, ld_s,
                                         requests);
   };
@@ -1020,8 +1203,8 @@ void score_tile(const q_t* q, int64_t ld_q, acc_t scale, const TileRows<scalar_t
 // decoded at 54-59% of the streaming read against 61-63% now (Xeon model 207, three
 // alternating runs of the suite: python -m mha_ext.bench --suite paged_decode --context 4096
 // --dtype bfloat16 --models llama2-70b --kv-cache-dtype).
-template <int kRows, int kVectors, bool kFull, bool kRequestAhead, typename scalar_t,
-          typename acc_t>
+template <int kRows, int kVectors, bool kFull, bool kRequestAhead, bool kFp8Tables = false,
+          typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
                                               const scalar_t* const* value_rows, int64_t cols,
                                               int64_t dim, int64_t d0, acc_t* o, int64_t ld_o,
@@ -1037,13 +1220,30 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i] = Vec::loadu(o + r * ld_o + d0 + j * kWidth, width[j]);
   });
+#if defined(CPU_CAPABILITY_AVX512)
+  // kFp8Tables: the codes converted by fp8_float_units_by_tables, 64 at a time, and O's
+  // slice kept in their order while it is in registers.
+  static_assert(!kFp8Tables || (kFull && kVectors % 4 == 0), "whole groups of 64 codes");
+  [[maybe_unused]] Fp8ByteTables tables;
+  if constexpr (kFp8Tables) {
+    tables = load_fp8_byte_tables();
+    unrolled<kRows * kVectors / 4>(
+        [&](auto g) C10_ALWAYS_INLINE_ATTRIBUTE { transpose_lanes_4x4(acc + 4 * g); });
+  }
+#endif
   for (int64_t c = 0; c < cols; ++c) {
     if constexpr (kRequestAhead) {
       if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
     }
     Vec v[kVectors];
-    if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs ||
-                  PagedKernelTraits<scalar_t>::kConvertFp8InPairs) {
+    if constexpr (kFp8Tables) {
+#if defined(CPU_CAPABILITY_AVX512)
+      unrolled<kVectors / 4>([&](auto g) C10_ALWAYS_INLINE_ATTRIBUTE {
+        fp8_float_units_by_tables(value_rows[c] + d0 + 64 * g, tables, v + 4 * g);
+      });
+#endif
+    } else if constexpr (PagedKernelTraits<scalar_t>::kWidenInPairs ||
+                         PagedKernelTraits<scalar_t>::kConvertFp8InPairs) {
       static_assert(kVectors % 2 == 0, "pairs of vectors");
       unrolled<kVectors / 2>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
         const scalar_t* pair = value_rows[c] + d0 + 2 * j * kWidth;
@@ -1066,6 +1266,12 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
       });
     });
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kFp8Tables) {  // back to O's order
+    unrolled<kRows * kVectors / 4>(
+        [&](auto g) C10_ALWAYS_INLINE_ATTRIBUTE { transpose_lanes_4x4(acc + 4 * g); });
+  }
+#endif
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int r = i / kVectors, j = i % kVectors;
     acc[i].store(o + r * ld_o + d0 + j * kWidth, width[j]);
@@ -1087,17 +1293,26 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
   constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
   const int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
-  auto slice = [&](auto kFull, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
+  auto slice = [&](auto kFull, auto kFp8Tables, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
     unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
       constexpr int r0 = group * kGroupRows;
-      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead>(
+      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead,
+                             kFp8Tables>(
           p_tile + r0 * kKeyBlock, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys,
           next_keys.share(d0 / slice_width * kGroups + group, sweeps));
     });
   };
   int64_t d0 = 0;
-  for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, d0);
-  if (d0 < dim) slice(std::false_type{}, d0);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (Traits::value_by_fp8_tables(kGroupRows)) {
+    if (avx512_vbmi_enabled()) {
+      for (; d0 + slice_width <= dim; d0 += slice_width)
+        slice(std::true_type{}, std::true_type{}, d0);
+    }
+  }
+#endif
+  for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, std::false_type{}, d0);
+  if (d0 < dim) slice(std::false_type{}, std::false_type{}, d0);
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -1409,9 +1624,10 @@ struct HeadState {
 };
 
 // How the direct path multiplies: fp32 FMAs (over the pre-scaled q), the score pass's bf16
-// dot products of PagedKernelTraits::kScoreByBf16Dots and kScoreFp8ByBf16Dots, or both passes'
-// int16 dot products of kInt16Dots.
-enum class DirectDots { kFloat, kBf16Pairs, kInt16Pairs };
+// dot products of PagedKernelTraits::kScoreByBf16Dots and kScoreFp8ByBf16Dots (kFp8TablePairs:
+// the fp8 codes converted by byte tables, kFp8ByTables), or both passes' int16 dot products of
+// kInt16Dots.
+enum class DirectDots { kFloat, kBf16Pairs, kFp8TablePairs, kInt16Pairs };
 
 // How a call divides its work into tasks, and the scratch each thread needs for them. A task
 // is (sequence, group of kv heads, chunk of queries, key split), numbered in that order, the
@@ -1640,8 +1856,12 @@ DirectDots start_task(const PagedAttentionParams& p, const PagedTask& task,
     for (int64_t r = 0; r < task.rows && dots != DirectDots::kInt16Pairs; ++r) {
       const q_t* q_row = task_query_row<q_t>(p, task, group, kv_head, r);
       if constexpr (std::is_same_v<q_t, c10::BFloat16>) {  // bf16 dots score a bf16 q
-        if (dots == DirectDots::kBf16Pairs) {
+        if (dots == DirectDots::kBf16Pairs || dots == DirectDots::kFp8TablePairs) {
           std::copy(q_row, q_row + p.head_dim, state.q_raw + r * ld_d);
+#if defined(CPU_CAPABILITY_AVX512)
+          if (dots == DirectDots::kFp8TablePairs)
+            fp8_table_order(state.q_raw + r * ld_d, p.head_dim);
+#endif
           continue;
         }
       }
@@ -1806,8 +2026,17 @@ void score_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
       }
       if constexpr (PagedKernelTraits<scalar_t>::kScoreByBf16Dots ||
                     PagedKernelTraits<scalar_t>::kScoreFp8ByBf16Dots) {
+        const auto scale = static_cast<acc_t>(p.scale * key_unit_factor<scalar_t>(p));
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (PagedKernelTraits<scalar_t>::kFp8ByTables) {
+          if (dots == DirectDots::kFp8TablePairs) {
+            return score_tile<kRows, true>(state.q_raw, ld_d, scale, schedule.k_rows,
+                                           schedule.value_requests, schedule.values_requested, cols,
+                                           p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
+          }
+        }
+#endif
         if (dots == DirectDots::kBf16Pairs) {
-          const auto scale = static_cast<acc_t>(p.scale * key_unit_factor<scalar_t>(p));
           return score_tile<kRows>(state.q_raw, ld_d, scale, schedule.k_rows,
                                    schedule.value_requests, schedule.values_requested, cols,
                                    p.head_dim, p.head_dim_v, s_tile, kKeyBlock);
@@ -2009,7 +2238,11 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
 #if defined(CPU_CAPABILITY_AVX512)
   constexpr bool kBf16Dots = Traits::kScoreByBf16Dots ||
                              (Traits::kScoreFp8ByBf16Dots && std::is_same_v<q_t, c10::BFloat16>);
-  if (kBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16) dots = DirectDots::kBf16Pairs;
+  if (kBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16) {
+    dots = Traits::kScoreFp8ByBf16Dots && Traits::kFp8ByTables && avx512_vbmi_enabled()
+               ? DirectDots::kFp8TablePairs
+               : DirectDots::kBf16Pairs;
+  }
   if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_vnni_enabled())
     dots = DirectDots::kInt16Pairs;
 #elif defined(CPU_CAPABILITY_AVX2)
