@@ -547,8 +547,7 @@ def test_forced_isa_builds(isa):
 @pytest.mark.cpu_only
 def test_paths_of_cpus_without_vbmi():
     # MHA_EXT_CPU_VBMI=0 runs what a CPU of the same level without AVX512-VBMI runs (Cooper
-    # Lake at avx512_bf16, Cascade Lake at avx512_vnni): the fp8 codes converted without the
-    # byte tables in both passes.
+    # Lake at avx512_bf16): the fp8 codes converted without the byte tables in both passes.
     if os.environ.get("MHA_EXT_CPU_ISA") or os.environ.get("MHA_EXT_CPU_VBMI"):
         pytest.skip("already running under a forced ISA or VBMI setting")
     if not mha_ext.build_info()["cpu_vbmi"]:

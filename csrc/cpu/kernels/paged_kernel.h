@@ -225,7 +225,7 @@ struct PagedKernelTraits {
 
   // Whether fp8 codes are converted to bf16 or fp32 units by two byte-table look-ups
   // (AVX512-VBMI's VPERMI2B over 128 entries) and interleaves, 64 codes at a time
-  // (fp8_bf16_units_by_tables), where avx512_vbmi_enabled(): in the score pass of
+  // (fp8_bf16_units_by_tables), where fp8_by_tables(): in the score pass of
   // kScoreFp8ByBf16Dots, against fp8_bf16_units' seven operations per 32 codes (four of them
   // for the subnormals), and in the value pass (value_by_fp8_tables), against VCVTPH2PS. Both
   // exact; the tables leave the codes out of order within each 64, which q's rows
@@ -235,8 +235,11 @@ struct PagedKernelTraits {
   // 8 sequences, the script below with --in-cache) 8300 -> 10300 tokens/s (0.78x -> 0.92x the
   // bf16 cache's), from memory (context 4096) 0.84-0.85x -> 1.02-1.06x, on two threads 1.08 /
   // 1.11x -> 1.23 / 1.30x; one query head per kv head, one thread from L2, 17.7-18.0 -> 11.5-
-  // 11.9 ns per key and kv head. AVX-512 class, on CPUs with VBMI (Ice Lake and later Xeons,
-  // Zen 4 and 5; not measured on the Xeons).
+  // 11.9 ns per key and kv head. AVX-512 class, at the avx512_bf16 level (fp8_by_tables: Zen 4
+  // and 5, where VCVTPH2PS competes with the FMAs); on the Xeons with AMX, where VPERMI2B and
+  // the interleaves issue on the port VCVTPH2PS uses, a widening by the same look-ups gained
+  // nothing (model 167, docs/PERFORMANCE.md, "Tried and not landed"), and Ice Lake (the
+  // avx512_vnni level) is not measured.
   // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py --rounds 3 --clock cpu
   // --formats bf16 fp8 --flat-contexts 0 0 [--in-cache --context 512], and with
   // MHA_EXT_CPU_VBMI=0
@@ -479,6 +482,12 @@ inline constexpr Fp8UnitByteTables kFp8UnitBytes = [] {
   }
   return tables;
 }();
+
+// Whether this call converts fp8 codes by byte tables (PagedKernelTraits::kFp8ByTables): at
+// the avx512_bf16 level, where the CPU's VBMI paths run.
+inline bool fp8_by_tables() {
+  return active_cpu_isa() == CpuIsa::kAvx512Bf16 && avx512_vbmi_enabled();
+}
 
 // Byte i of the result: table[index byte i & 127], table = [table_low, table_high] (128
 // bytes). VPERMI2B, AVX512-VBMI, as assembly for the reason of add_bf16_pair_dots; it runs only
@@ -1087,7 +1096,7 @@ C10_ALWAYS_INLINE void score_keys(const q_t* q, int64_t ld_q, const scalar_t* co
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// score_keys for an fp8 cache and a bf16 q (kScoreFp8ByBf16Dots) where avx512_vbmi_enabled():
+// score_keys for an fp8 cache and a bf16 q (kScoreFp8ByBf16Dots) where fp8_by_tables():
 // each whole 64 codes of a key converted by byte tables (fp8_bf16_units_by_tables), with q's
 // rows in fp8_table_order, the rest of the row (under 64 elements) as score_keys converts it, q
 // there in natural order. Keys are converted 4 at a time, whose two vectors each, the tables
@@ -1305,7 +1314,7 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
   int64_t d0 = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (Traits::value_by_fp8_tables(kGroupRows)) {
-    if (avx512_vbmi_enabled()) {
+    if (fp8_by_tables()) {
       for (; d0 + slice_width <= dim; d0 += slice_width)
         slice(std::true_type{}, std::true_type{}, d0);
     }
@@ -2239,7 +2248,7 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
   constexpr bool kBf16Dots = Traits::kScoreByBf16Dots ||
                              (Traits::kScoreFp8ByBf16Dots && std::is_same_v<q_t, c10::BFloat16>);
   if (kBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16) {
-    dots = Traits::kScoreFp8ByBf16Dots && Traits::kFp8ByTables && avx512_vbmi_enabled()
+    dots = Traits::kScoreFp8ByBf16Dots && Traits::kFp8ByTables && fp8_by_tables()
                ? DirectDots::kFp8TablePairs
                : DirectDots::kBf16Pairs;
   }
