@@ -589,9 +589,10 @@ constexpr int64_t kAppendTaskHeads = 8;
 // The work below which an append runs on the calling thread, in bytes of a plain copy (a
 // quantized element counts as 8: quantizing a bf16 element cost about four times copying it).
 // A second thread pays where its share outweighs waking it: a decode step of 8 sequences (D128,
-// bf16 rows), us per token on one thread against two (Zen 4): int8 at 8 / 16 / 32 kv heads
-// 0.55 / 0.89 / 1.51 -> 0.52 / 0.70 / 0.99, bf16 at 32 kv heads 0.63 -> 0.57, but int8 at 8 kv
-// heads appended back to back (the flatness rounds below) 0.57 -> 0.82.
+// bf16 rows), us per token on one thread against two (Zen 4, a harness alternating
+// torch.set_num_threads(1) and (2) around runs of 200 appends): int8 at 8 / 16 / 32 kv heads
+// 0.55 / 0.89 / 1.51 -> 0.52 / 0.70 / 0.99, bf16 at 32 kv heads 0.63 -> 0.57; but int8 at 8 kv
+// heads in kv_cache_speed.py's flatness rounds (appends back to back) 0.57 -> 0.82.
 // Check: python benchmarks/kv_cache_speed.py --rounds 7 --formats bf16 int8 fp8 [--heads 32
 // --kv-heads 32]
 constexpr int64_t kParallelAppendBytes = 256 * 1024;
