@@ -75,6 +75,27 @@ def expected_rows(fmt, rows, scales, which):
     return quantize_float8(rows, scales[f"{which}_scale"]), None
 
 
+def expected_after_append(fmt, caches, scales, key, value, slots, block_size):
+    """What appending key and value (tokens, kv_heads, dim) at slots must leave: ({"k", "v"}:
+    copies of the caches with each token's rows at its slot, copied for fmt "plain" and
+    quantized by expected_rows otherwise, -1 slots skipped; {"k", "v"}: likewise the int8
+    scales, None for the other formats)."""
+    expected = {which: cache.clone() for which, cache in zip("kv", caches)}
+    expected_scales = {w: scales[f"{w}_scales"].clone() if fmt == "int8" else None for w in "kv"}
+    for which, rows in (("k", key), ("v", value)):
+        stored, row_scales = (
+            (rows, None) if fmt == "plain" else expected_rows(fmt, rows, scales, which)
+        )
+        for token, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            block, offset = slot // block_size, slot % block_size
+            expected[which][block, :, offset] = stored[token]
+            if row_scales is not None:
+                expected_scales[which][block, :, offset] = row_scales[token]
+    return expected, expected_scales
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -93,18 +114,9 @@ def test_append_writes_exactly_the_quantized_rows(fmt, dtype, block_size, layout
     # lies halfway between 1 and 1.125, 1.1875 between 1.125 and 1.25), fp8 subnormals.
     key[3, 1, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 1.0625, 1.1875])
     key[3, 1, 6:9] = torch.tensor([2.0**-8, -(2.0**-9), 3 * 2.0**-10])
-    expected = {"k": k_cache.clone(), "v": v_cache.clone()}
-    expected_scales = {w: scales.get(f"{w}_scales") for w in "kv"}
-    expected_scales = {w: s.clone() if s is not None else None for w, s in expected_scales.items()}
-    for which, rows in (("k", key), ("v", value)):
-        stored, row_scales = expected_rows(fmt, rows, scales, which)
-        for token, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                expected[which][slot // block_size, :, slot % block_size] = stored[token]
-                if row_scales is not None:
-                    expected_scales[which][slot // block_size, :, slot % block_size] = row_scales[
-                        token
-                    ]
+    expected, expected_scales = expected_after_append(
+        fmt, (k_cache, v_cache), scales, key, value, slots, block_size
+    )
     mha_ext.paged_kv_append(key, value, k_cache, v_cache, slots, **scales)
     assert torch.equal(bits(k_cache), bits(expected["k"]))
     assert torch.equal(bits(v_cache), bits(expected["v"]))
@@ -141,19 +153,9 @@ def test_append_large_enough_to_split(fmt, tokens, kv_heads, threads):
         torch.randn(tokens, kv_heads, head_dim, generator=generator).bfloat16() * 10.0 ** (i - 1)
         for i in range(2)
     )
-    expected = {"k": k_cache.clone(), "v": v_cache.clone()}
-    expected_scales = {w: scales[f"{w}_scales"].clone() for w in "kv" if fmt == "int8"}
-    for which, rows in (("k", key), ("v", value)):
-        stored, row_scales = (
-            (rows, None) if fmt == "plain" else expected_rows(fmt, rows, scales, which)
-        )
-        for token, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                expected[which][slot // block_size, :, slot % block_size] = stored[token]
-                if row_scales is not None:
-                    expected_scales[which][slot // block_size, :, slot % block_size] = row_scales[
-                        token
-                    ]
+    expected, expected_scales = expected_after_append(
+        fmt, (k_cache, v_cache), scales, key, value, slots, block_size
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -163,7 +165,8 @@ def test_append_large_enough_to_split(fmt, tokens, kv_heads, threads):
     assert torch.equal(bits(k_cache), bits(expected["k"]))
     assert torch.equal(bits(v_cache), bits(expected["v"]))
     for which, expected_scale in expected_scales.items():
-        assert torch.equal(bits(scales[f"{which}_scales"]), bits(expected_scale)), which
+        if expected_scale is not None:
+            assert torch.equal(bits(scales[f"{which}_scales"]), bits(expected_scale)), which
 
 
 def test_reference_quantizers_round_half_to_even_and_saturate():

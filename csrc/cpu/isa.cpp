@@ -80,15 +80,13 @@ bool cpu_has_amx_bf16() {
 
 bool avx512_vbmi_enabled() {
   static const bool enabled = [] {
-    const char* setting = std::getenv("MHA_EXT_CPU_VBMI");
-    if (setting != nullptr && *setting != '\0' && std::string(setting) != "0" &&
-        std::string(setting) != "1") {
-      throw std::runtime_error(std::string("mha_ext: MHA_EXT_CPU_VBMI=") + setting +
-                               " is neither 0 nor 1");
+    const char* variable = std::getenv("MHA_EXT_CPU_VBMI");
+    const std::string setting = variable == nullptr ? "" : variable;
+    if (!setting.empty() && setting != "0" && setting != "1") {
+      throw std::runtime_error("mha_ext: MHA_EXT_CPU_VBMI=" + setting + " is neither 0 nor 1");
     }
-    const bool allowed = setting == nullptr || std::string(setting) != "0";
 #if defined(__x86_64__)
-    return allowed && active_cpu_isa() >= CpuIsa::kAvx512Vnni &&
+    return setting != "0" && active_cpu_isa() >= CpuIsa::kAvx512Vnni &&
            __builtin_cpu_supports("avx512vbmi");
 #else
     return false;

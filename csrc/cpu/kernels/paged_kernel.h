@@ -2248,9 +2248,8 @@ void paged_attention_kernel(const PagedAttentionParams& p, const PagedTaskPlan& 
   constexpr bool kBf16Dots = Traits::kScoreByBf16Dots ||
                              (Traits::kScoreFp8ByBf16Dots && std::is_same_v<q_t, c10::BFloat16>);
   if (kBf16Dots && active_cpu_isa() == CpuIsa::kAvx512Bf16) {
-    dots = Traits::kScoreFp8ByBf16Dots && Traits::kFp8ByTables && fp8_by_tables()
-               ? DirectDots::kFp8TablePairs
-               : DirectDots::kBf16Pairs;
+    dots = Traits::kFp8ByTables && fp8_by_tables() ? DirectDots::kFp8TablePairs
+                                                   : DirectDots::kBf16Pairs;
   }
   if (Traits::kInt16Dots && sizeof(q_t) == 2 && avx512_vnni_enabled())
     dots = DirectDots::kInt16Pairs;
