@@ -131,10 +131,10 @@ void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dro
 // fp32 forward when every 64-row block redid it.
 constexpr int64_t kMaxSubBlocks = 8;
 
-// Rows of the bands in which the fp32 forward computes a tile that the window's end crosses:
-// a causal diagonal tile costs 5/8 of a whole one in 16-row bands (the band's last row sees
-// 16, 32, 48 or 64 of its columns).
-constexpr int64_t kEndBandRows = 16;
+// Rows of the bands in which the fp32 forward computes a tile that an edge of the window
+// crosses: a causal diagonal tile costs 5/8 of a whole one in 16-row bands (the band's last
+// row sees 16, 32, 48 or 64 of its columns), and so does a sliding window's far edge.
+constexpr int64_t kEdgeBandRows = 16;
 
 // How the forward splits into tasks (batch, kv head, chunk of query blocks).
 struct ForwardPlan {
@@ -303,36 +303,42 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
         for (int64_t i = 0; i < task.sub_blocks(); ++i) {
           if (!task.sees(i, key0, cols)) continue;
           const int64_t head = task.head(i), rows = task.rows(i);
-          // A tile that the window's end crosses (the causal diagonal) goes in bands of rows,
-          // each computing only the vectors of columns its last row sees.
-          const bool crosses_end = visible_keys(p.window, task.row0(i), p.seq_k).end < key0 + cols;
-          const int64_t band = crosses_end ? kEndBandRows : rows;
+          // A tile that either side of the window crosses (the causal diagonal, a sliding
+          // window's far edge) goes in bands of rows, each computing only the vectors of
+          // columns that some row of it sees.
+          const bool crosses_edge =
+              visible_keys(p.window, task.row0(i), p.seq_k).end < key0 + cols ||
+              visible_keys(p.window, task.row0(i) + rows - 1, p.seq_k).begin > key0;
+          const int64_t band = crosses_edge ? kEdgeBandRows : rows;
           for (int64_t band_row = 0; band_row < rows; band_row += band) {
             const int64_t row0 = task.row0(i) + band_row,
                           band_rows = std::min(band, rows - band_row);
+            // The band's columns [lo, hi) of the tile, in whole vectors
+            const int64_t begin = visible_keys(p.window, row0, p.seq_k).begin;
             const int64_t end = visible_keys(p.window, row0 + band_rows - 1, p.seq_k).end;
-            const int64_t band_cols = std::min(cols, round_up(end - key0, Vec::size()));
-            if (band_cols <= 0 || visible_keys(p.window, row0, p.seq_k).begin >= key0 + cols) {
-              continue;  // the band sees none of the tile
-            }
+            const int64_t lo =
+                std::clamp<int64_t>(begin - key0, 0, cols) / Vec::size() * Vec::size();
+            const int64_t hi = std::min(cols, round_up(end - key0, Vec::size()));
+            if (hi <= lo) continue;                            // the band sees none of the tile
             const int64_t first = i * kQueryBlock + band_row;  // the band's row in the task's tiles
             const acc_t* q_band = q_tiles + first * ld_d;
             acc_t* o_band = o_tiles + first * ld_dv;
-            // S = Q K^T   [band_rows, band_cols]
-            tile_gemm<false>(band_rows, band_cols, p.head_dim, q_band, ld_d, kt_tile, kKeyBlock,
-                             s_tile, kKeyBlock);
-            mask_scores_tile<scalar_t>(s_tile, kKeyBlock, band_rows, band_cols, p, batch, head,
-                                       row0, key0);
-            online_softmax_tile(s_tile, kKeyBlock, band_rows, band_cols, row_max_log2 + first,
+            acc_t* s_band = s_tile + lo;
+            // S = Q K^T   [band_rows, hi - lo]
+            tile_gemm<false>(band_rows, hi - lo, p.head_dim, q_band, ld_d, kt_tile + lo, kKeyBlock,
+                             s_band, kKeyBlock);
+            mask_scores_tile<scalar_t>(s_band, kKeyBlock, band_rows, hi - lo, p, batch, head, row0,
+                                       key0 + lo);
+            online_softmax_tile(s_band, kKeyBlock, band_rows, hi - lo, row_max_log2 + first,
                                 row_sum + first, o_band, ld_dv, p.head_dim_v);
             // Dropout acts on the normalised probabilities, after their sum was taken.
             for (int64_t r = 0; p.dropout.enabled && r < band_rows; ++r) {
-              apply_dropout_row(s_tile + r * kKeyBlock, band_cols, p.dropout, batch, head, row0 + r,
-                                key0);
+              apply_dropout_row(s_band + r * kKeyBlock, hi - lo, p.dropout, batch, head, row0 + r,
+                                key0 + lo);
             }
             // O += P V   [band_rows, head_dim_v]
-            tile_gemm<true>(band_rows, p.head_dim_v, band_cols, s_tile, kKeyBlock, v_tile, ld_dv,
-                            o_band, ld_dv);
+            tile_gemm<true>(band_rows, p.head_dim_v, hi - lo, s_band, kKeyBlock,
+                            v_tile + lo * ld_dv, ld_dv, o_band, ld_dv);
           }
         }
       }
