@@ -131,9 +131,10 @@ void apply_dropout_row(acc_t* row_values, int64_t cols, const DropoutParams& dro
 // fp32 forward when every 64-row block redid it.
 constexpr int64_t kMaxSubBlocks = 8;
 
-// Rows of the bands in which the fp32 forward computes a tile that an edge of the window
-// crosses: a causal diagonal tile costs 5/8 of a whole one in 16-row bands (the band's last
-// row sees 16, 32, 48 or 64 of its columns), and so does a sliding window's far edge.
+// Rows of the bands in which the fp32 forward and backward compute a tile that an edge of the
+// window crosses: a causal diagonal tile costs 5/8 of a whole one in 16-row bands (the band's
+// last row sees 16, 32, 48 or 64 of its columns), and so does a sliding window's far edge.
+// The backward's products that sum over the rows (dV, dK) go in bands of as many columns.
 constexpr int64_t kEdgeBandRows = 16;
 
 // How the forward splits into tasks (batch, kv head, chunk of query blocks).
@@ -522,36 +523,68 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
                           head * p.grad_out_strides.head + row0 * p.grad_out_strides.row,
                       p.grad_out_strides.row, rows, p.head_dim_v, do_tile, ld_dv);
 
-            // P = exp(S - lse), recomputed from the saved logsumexp   [rows, cols]
-            tile_gemm<false>(rows, cols, p.head_dim, q_tile, ld_d, kt_tile, kKeyBlock, p_tile,
-                             kKeyBlock);
-            mask_scores_tile<scalar_t>(p_tile, kKeyBlock, rows, cols, p, batch, head, row0, key0,
-                                       softcap ? softcap_grad_tile : nullptr);
-            probs_from_lse(p_tile, kKeyBlock, rows, cols, lse + row0, acc_t(1));
+            // A tile that either side of the window crosses goes in square bands of
+            // kEdgeBandRows: P, dP, dS and dQ in bands of rows, each over the columns some row
+            // of it sees, and dV and dK (sums over the rows) in bands of columns, each over the
+            // rows that see some column of it. A band of columns reads P and dS only where
+            // the bands of rows computed them: the rows that see one of its columns.
+            const bool crosses_edge = visible_keys(p.window, row0, p.seq_k).end < key0 + cols ||
+                                      visible_keys(p.window, row0 + rows - 1, p.seq_k).begin > key0;
+            const int64_t band = crosses_edge ? kEdgeBandRows : std::max(rows, cols);
+            for (int64_t band_row = 0; band_row < rows; band_row += band) {
+              const int64_t first_row = row0 + band_row,
+                            band_rows = std::min(band, rows - band_row);
+              // The band's columns [lo, hi) of the tile, in whole bands
+              const int64_t begin = visible_keys(p.window, first_row, p.seq_k).begin;
+              const int64_t end = visible_keys(p.window, first_row + band_rows - 1, p.seq_k).end;
+              const int64_t lo = std::clamp<int64_t>(begin - key0, 0, cols) / band * band;
+              const int64_t hi = std::min(cols, round_up(end - key0, band));
+              if (hi <= lo) continue;                            // the band sees none of the tile
+              const int64_t offset = band_row * kKeyBlock + lo;  // of the band in the tiles
+              acc_t* softcap_grad = softcap ? softcap_grad_tile + offset : nullptr;
+              // P = exp(S - lse), recomputed from the saved logsumexp   [band_rows, hi - lo]
+              tile_gemm<false>(band_rows, hi - lo, p.head_dim, q_tile + band_row * ld_d, ld_d,
+                               kt_tile + lo, kKeyBlock, p_tile + offset, kKeyBlock);
+              mask_scores_tile<scalar_t>(p_tile + offset, kKeyBlock, band_rows, hi - lo, p, batch,
+                                         head, first_row, key0 + lo, softcap_grad);
+              probs_from_lse(p_tile + offset, kKeyBlock, band_rows, hi - lo, lse + first_row,
+                             acc_t(1));
+              // dP = dO V^T   [band_rows, hi - lo]
+              tile_gemm<false>(band_rows, hi - lo, p.head_dim_v, do_tile + band_row * ld_dv, ld_dv,
+                               vt_tile + lo, kKeyBlock, ds_tile + offset, kKeyBlock);
+              // dS = P * (dP * dropout - delta), through the softcap's derivative
+              for (int64_t r = 0; r < band_rows; ++r) {
+                acc_t* ds = ds_tile + offset + r * kKeyBlock;
+                softmax_grad_row(ds, p_tile + offset + r * kKeyBlock, hi - lo, delta[first_row + r],
+                                 p.dropout, batch, head, first_row + r, key0 + lo);
+                if (softcap) {
+                  at::vec::map2([](Vec grad, Vec derivative) { return grad * derivative; }, ds, ds,
+                                softcap_grad + r * kKeyBlock, hi - lo);
+                }
+              }
+              // dQ += dS K   [band_rows, head_dim]  (scaled when the splits are summed)
+              tile_gemm<true>(band_rows, p.head_dim, hi - lo, ds_tile + offset, kKeyBlock,
+                              k_tile + lo * ld_d, ld_d, grad_q_accum + first_row * p.head_dim,
+                              p.head_dim);
+            }
             const acc_t* pd = dropped_probs(p_tile, pd_tile, kKeyBlock, rows, cols, p.dropout,
                                             batch, head, row0, key0);
-            // dV += P_dropped^T dO   [cols, head_dim_v]
-            tile_gemm<true, true>(cols, p.head_dim_v, rows, pd, kKeyBlock, do_tile, ld_dv, dv_tile,
-                                  ld_dv);
-            // dP = dO V^T   [rows, cols]
-            tile_gemm<false>(rows, cols, p.head_dim_v, do_tile, ld_dv, vt_tile, kKeyBlock, ds_tile,
-                             kKeyBlock);
-            // dS = P * (dP * dropout - delta), through the softcap's derivative
-            for (int64_t r = 0; r < rows; ++r) {
-              acc_t* ds = ds_tile + r * kKeyBlock;
-              softmax_grad_row(ds, p_tile + r * kKeyBlock, cols, delta[row0 + r], p.dropout, batch,
-                               head, row0 + r, key0);
-              if (softcap) {
-                at::vec::map2([](Vec grad, Vec derivative) { return grad * derivative; }, ds, ds,
-                              softcap_grad_tile + r * kKeyBlock, cols);
-              }
+            for (int64_t c0 = 0; c0 < cols; c0 += band) {
+              const int64_t width = std::min(band, cols - c0);
+              // The rows [r_lo, r_hi) of the tile that see a column of the band
+              const KeyRange seeing_band =
+                  rows_seeing_keys(p.window, key0 + c0, key0 + c0 + width, p.seq_q);
+              const int64_t r_lo = std::max(seeing_band.begin, row0) - row0;
+              const int64_t r_hi = std::min(seeing_band.end, row0 + rows) - row0;
+              if (r_hi <= r_lo) continue;
+              const int64_t offset = r_lo * kKeyBlock + c0;
+              // dV += P_dropped^T dO   [width, head_dim_v]
+              tile_gemm<true, true>(width, p.head_dim_v, r_hi - r_lo, pd + offset, kKeyBlock,
+                                    do_tile + r_lo * ld_dv, ld_dv, dv_tile + c0 * ld_dv, ld_dv);
+              // dK += dS^T (scale Q)   [width, head_dim]
+              tile_gemm<true, true>(width, p.head_dim, r_hi - r_lo, ds_tile + offset, kKeyBlock,
+                                    q_tile + r_lo * ld_d, ld_d, dk_tile + c0 * ld_d, ld_d);
             }
-            // dK += dS^T (scale Q)   [cols, head_dim]
-            tile_gemm<true, true>(cols, p.head_dim, rows, ds_tile, kKeyBlock, q_tile, ld_d, dk_tile,
-                                  ld_d);
-            // dQ += dS K   [rows, head_dim]  (scaled when the splits are summed)
-            tile_gemm<true>(rows, p.head_dim, cols, ds_tile, kKeyBlock, k_tile, ld_d,
-                            grad_q_accum + row0 * p.head_dim, p.head_dim);
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
