@@ -137,6 +137,25 @@ constexpr int64_t kMaxSubBlocks = 8;
 // The backward's products that sum over the rows (dV, dK) go in bands of as many columns.
 constexpr int64_t kEdgeBandRows = 16;
 
+// Whether an edge of the window crosses the tile of rows [row0, row0 + rows) and keys [key0,
+// key0 + cols): the first row's window ends before the tile's last key, or the last row's
+// begins after its first (both bounds grow with the row).
+inline bool window_edge_crosses(const KeyWindow& window, int64_t row0, int64_t rows, int64_t key0,
+                                int64_t cols, int64_t seq_k) {
+  return visible_keys(window, row0, seq_k).end < key0 + cols ||
+         visible_keys(window, row0 + rows - 1, seq_k).begin > key0;
+}
+
+// The columns [begin, end) of the tile of keys [key0, key0 + cols) that some row of [row0, row0 +
+// rows) sees, widened to multiples of `step` (and clipped to the tile): empty when none does.
+inline KeyRange band_columns(const KeyWindow& window, int64_t row0, int64_t rows, int64_t key0,
+                             int64_t cols, int64_t seq_k, int64_t step) {
+  const int64_t begin = visible_keys(window, row0, seq_k).begin;
+  const int64_t end = visible_keys(window, row0 + rows - 1, seq_k).end;
+  return {std::clamp<int64_t>(begin - key0, 0, cols) / step * step,
+          std::min(cols, round_up(end - key0, step))};
+}
+
 // How the forward splits into tasks (batch, kv head, chunk of query blocks).
 struct ForwardPlan {
   int64_t group;            // query heads per kv head
@@ -307,19 +326,15 @@ void attention_forward_kernel(const AttentionForwardParams& p) {
           // A tile that either side of the window crosses (the causal diagonal, a sliding
           // window's far edge) goes in bands of rows, each computing only the vectors of
           // columns that some row of it sees.
-          const bool crosses_edge =
-              visible_keys(p.window, task.row0(i), p.seq_k).end < key0 + cols ||
-              visible_keys(p.window, task.row0(i) + rows - 1, p.seq_k).begin > key0;
-          const int64_t band = crosses_edge ? kEdgeBandRows : rows;
+          const int64_t band =
+              window_edge_crosses(p.window, task.row0(i), rows, key0, cols, p.seq_k) ? kEdgeBandRows
+                                                                                     : rows;
           for (int64_t band_row = 0; band_row < rows; band_row += band) {
             const int64_t row0 = task.row0(i) + band_row,
                           band_rows = std::min(band, rows - band_row);
             // The band's columns [lo, hi) of the tile, in whole vectors
-            const int64_t begin = visible_keys(p.window, row0, p.seq_k).begin;
-            const int64_t end = visible_keys(p.window, row0 + band_rows - 1, p.seq_k).end;
-            const int64_t lo =
-                std::clamp<int64_t>(begin - key0, 0, cols) / Vec::size() * Vec::size();
-            const int64_t hi = std::min(cols, round_up(end - key0, Vec::size()));
+            const auto [lo, hi] =
+                band_columns(p.window, row0, band_rows, key0, cols, p.seq_k, Vec::size());
             if (hi <= lo) continue;                            // the band sees none of the tile
             const int64_t first = i * kQueryBlock + band_row;  // the band's row in the task's tiles
             const acc_t* q_band = q_tiles + first * ld_d;
@@ -528,17 +543,15 @@ void attention_backward_kernel(const AttentionBackwardParams& p) {
             // of it sees, and dV and dK (sums over the rows) in bands of columns, each over the
             // rows that see some column of it. A band of columns reads P and dS only where
             // the bands of rows computed them: the rows that see one of its columns.
-            const bool crosses_edge = visible_keys(p.window, row0, p.seq_k).end < key0 + cols ||
-                                      visible_keys(p.window, row0 + rows - 1, p.seq_k).begin > key0;
-            const int64_t band = crosses_edge ? kEdgeBandRows : std::max(rows, cols);
+            const int64_t band = window_edge_crosses(p.window, row0, rows, key0, cols, p.seq_k)
+                                     ? kEdgeBandRows
+                                     : std::max(rows, cols);
             for (int64_t band_row = 0; band_row < rows; band_row += band) {
               const int64_t first_row = row0 + band_row,
                             band_rows = std::min(band, rows - band_row);
               // The band's columns [lo, hi) of the tile, in whole bands
-              const int64_t begin = visible_keys(p.window, first_row, p.seq_k).begin;
-              const int64_t end = visible_keys(p.window, first_row + band_rows - 1, p.seq_k).end;
-              const int64_t lo = std::clamp<int64_t>(begin - key0, 0, cols) / band * band;
-              const int64_t hi = std::min(cols, round_up(end - key0, band));
+              const auto [lo, hi] =
+                  band_columns(p.window, first_row, band_rows, key0, cols, p.seq_k, band);
               if (hi <= lo) continue;                            // the band sees none of the tile
               const int64_t offset = band_row * kKeyBlock + lo;  // of the band in the tiles
               acc_t* softcap_grad = softcap ? softcap_grad_tile + offset : nullptr;
