@@ -45,12 +45,14 @@ CACHE_DTYPES = {
     "int8-bf16-q": torch.int8,
     "fp8": torch.float8_e4m3fn,
     "fp8-calibrated": torch.float8_e4m3fn,
+    "fp8-bf16-q": torch.float8_e4m3fn,
 }
 FORMATS = tuple(CACHE_DTYPES)
 # The dtype of the q, K and V rows each format's kernel takes (and of its output): a bf16
 # cache's own; an 8-bit cache's fp32, or bf16 as a bf16 model gives them, where the AVX-512
-# kernels score and weight in 16-bit integers (PagedKernelTraits::kInt16Dots).
-ROWS_DTYPES = {"bf16": torch.bfloat16, "int8-bf16-q": torch.bfloat16}
+# kernels score and weight in 16-bit integers (int8, PagedKernelTraits::kInt16Dots) or in
+# bf16 pairs with the softmax weights in bf16 (fp8, where the CPU has AVX512-BF16).
+ROWS_DTYPES = {"bf16": torch.bfloat16, "int8-bf16-q": torch.bfloat16, "fp8-bf16-q": torch.bfloat16}
 
 
 @dataclass

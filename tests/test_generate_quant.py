@@ -19,9 +19,10 @@ _spec.loader.exec_module(accuracy)
 # The kernels must stay within 1.2x of the simulated format error (issue 33); they round the
 # same values the same way, so the ratio is 1.00 but for fp32 accumulation and the odd code
 # that a float32 scale rounds differently from the float64 one ("int8-bf16-q" adds its bf16
-# rows and output, and on AVX-512 and AVX2 the 16-bit integer q and P of kInt16Dots).
+# rows and output, and on AVX-512 and AVX2 the 16-bit integer q and P of kInt16Dots;
+# "fp8-bf16-q" its bf16 rows and output, and with AVX512-BF16 P in bf16).
 KERNEL_ERROR_FACTOR = 1.2
-QUANTIZED_FORMATS = ("int8", "int8-bf16-q", "fp8", "fp8-calibrated")
+QUANTIZED_FORMATS = ("int8", "int8-bf16-q", "fp8", "fp8-calibrated", "fp8-bf16-q")
 
 
 @pytest.mark.parametrize("outliers", [False, True], ids=["normal", "outlier_channels"])

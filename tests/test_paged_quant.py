@@ -380,12 +380,13 @@ def test_attention_every_direct_row_count_and_odd_head_dim(fmt, dtype, head_dim)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_attention_every_decode_group_at_model_head_dims(fmt, head_dim):
     # The head dims of real models (whole vectors, the direct path's unmasked steps), decode
-    # tiles of 1 to 8 rows: the value pass's slices of 4 vectors (up to 6 rows) and of 2.
+    # tiles of 1 to 8 rows: the value pass's slices of 4 vectors (up to 6 rows) and of 2, and
+    # for a bf16 q over an fp8 cache its bf16 pairs (up to 5 rows at once, more in two groups).
     for group in range(1, 9):
-        dtype = QUERY_DTYPES[group % 3]
-        check_quantized_attention(
-            fmt, [5, 70, 130], [1, 1, 1], 2 * group, 2, head_dim, 16, dtype, {}
-        )
+        for dtype in dict.fromkeys([QUERY_DTYPES[group % 3], torch.bfloat16]):
+            check_quantized_attention(
+                fmt, [5, 70, 130], [1, 1, 1], 2 * group, 2, head_dim, 16, dtype, {}
+            )
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -215,7 +215,8 @@ struct PagedKernelTraits {
   // one thread from L2 (context 512, 8 sequences), 30.2 -> 27.1 ns per key and kv head (a bf16
   // cache 21); from memory (kv_cache_speed.py below, context 4096) 0.81x -> 0.90x the bf16
   // cache's tokens/s; the suite on two cores 1.04x / 0.84x -> 1.25x / 1.29x. The value pass
-  // keeps the fp32 FMAs (P stays fp32). At the avx512_bf16 level only, as kScoreByBf16Dots;
+  // keeps the fp32 FMAs (P stays fp32) but where fp8_by_tables() (kFp8ByTables). At the
+  // avx512_bf16 level only, as kScoreByBf16Dots;
   // not measured on Zen 5.
   // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py --rounds 3 --clock cpu
   // --formats bf16 fp8 --flat-contexts 0 0 [--in-cache --context 512]; python -m mha_ext.bench
@@ -239,10 +240,18 @@ struct PagedKernelTraits {
   // and 5, where VCVTPH2PS competes with the FMAs); on the Xeons with AMX, where VPERMI2B and
   // the interleaves issue on the port VCVTPH2PS uses, a widening by the same look-ups gained
   // nothing (model 167, docs/PERFORMANCE.md, "Tried and not landed"), and Ice Lake (the
-  // avx512_vnni level) is not measured.
+  // avx512_vnni level) is not measured. Where the scores take the bf16 dots of a bf16 q
+  // (kFp8TablePairs), the value pass takes P in bf16 and the codes of two keys interleaved
+  // before the look-ups, as bf16 pairs for VDPBF16PS (accumulate_value_slice_fp8_pairs): 16
+  // products per key and 4 rows where the fp32 units took 32 FMAs. Zen 4, the same shapes, one
+  // thread, dec loop over paged_attention alternating the builds: 23.0-23.9 -> 17.9-18.0 ns per
+  // key and kv head from L2, 23.2 -> 17.8-18.4 from memory; the suite below on two threads
+  // 1.21x -> 1.53x the bf16 cache (one run each, a noisy hour). The error stays the format's
+  // (benchmarks/kv_cache_accuracy.py, "fp8-bf16-q": kernel / simulation 1.00).
   // Check: OMP_NUM_THREADS=1 python benchmarks/kv_cache_speed.py --rounds 3 --clock cpu
   // --formats bf16 fp8 --flat-contexts 0 0 [--in-cache --context 512], and with
-  // MHA_EXT_CPU_VBMI=0
+  // MHA_EXT_CPU_VBMI=0; python -m mha_ext.bench --suite paged_decode --context 4096 --dtype
+  // bfloat16 --kv-cache-dtype int8 fp8 --kv-cache-only
   static constexpr bool kFp8ByTables =
       kIsaClass == IsaClass::kAvx512 && std::is_same_v<scalar_t, c10::Float8_e4m3fn>;
 
@@ -1287,41 +1296,148 @@ C10_ALWAYS_INLINE void accumulate_value_slice(const acc_t* p_tile,
   });
 }
 
+// The pairwise value passes' walk (int16, fp8 by bf16 pairs) over a tile's keys in pairs:
+// add_keys(c, value_rows[c], value_rows[c + 1]) for c = 0, 2, ..., and an odd last key with nullptr
+// for its partner (whose weight is then 0). With kRequestAhead, bytes `share` of ahead's rows c and
+// c + 1 are requested first.
+template <bool kRequestAhead, typename scalar_t, typename AddKeys>
+C10_ALWAYS_INLINE void for_each_key_pair(const scalar_t* const* value_rows, int64_t cols,
+                                         const SweepRequests<scalar_t>& ahead,
+                                         std::pair<int64_t, int64_t> share, AddKeys&& add_keys) {
+  int64_t c = 0;
+  for (; c + 2 <= cols; c += 2) {
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], value_rows[c + 1]);
+  }
+  if (c < cols) {  // an odd last key: its pair's second weight is 0
+    if constexpr (kRequestAhead) {
+      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
+    }
+    add_keys(c, value_rows[c], nullptr);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// P's rows (s_tile [rows, kKeyBlock]) rounded to bf16, nearest even (p_bf16 [rows, kKeyBlock]),
+// for accumulate_value_slice_fp8_pairs: each row's [0, cols) and, for an odd cols, a zero
+// after them, the odd last key's partner weight.
+inline void round_probabilities_to_bf16(const float* s_tile, int64_t rows, int64_t cols,
+                                        c10::BFloat16* p_bf16) {
+  for (int64_t r = 0; r < rows; ++r) {
+    round_to_bf16(s_tile + r * kKeyBlock, p_bf16 + r * kKeyBlock, cols);
+    if (cols % 2 != 0) p_bf16[r * kKeyBlock + cols] = c10::BFloat16(0.f);
+  }
+}
+
+// accumulate_value_slice for an fp8 cache whose scores took bf16 dots (kFp8TablePairs): O[r] +=
+// sum over c < cols of P_bf16[r, c] v_c on O's columns [d0, d0 + 64), by VDPBF16PS over pairs
+// of keys. A pair's two rows of codes are interleaved byte by byte (two unpacks per 64
+// columns) before the byte tables convert them (fp8_bf16_units_by_tables), so that each fp32
+// lane, one column, takes P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of
+// P's row: half the multiplies of the fp32 FMAs over the units, each product exact, with P in
+// bf16 as GPU FlashAttention's P V product takes it. Vector j's 128-bit lane k holds columns
+// 16k + 4j + [0, 4), the order of fp8_float_units_by_tables, which O's slice takes while in
+// registers. kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
+template <int kRows, bool kRequestAhead>
+C10_ALWAYS_INLINE void accumulate_value_slice_fp8_pairs(
+    const c10::BFloat16* p_bf16, const c10::Float8_e4m3fn* const* value_rows, int64_t cols,
+    int64_t d0, float* o, int64_t ld_o, const SweepRequests<c10::Float8_e4m3fn>& ahead,
+    std::pair<int64_t, int64_t> share) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec acc[kRows * 4];  // acc[r * 4 + j]
+  unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      acc[r * 4 + j] = Vec::loadu(o + r * ld_o + d0 + 16 * j);
+    });
+    transpose_lanes_4x4(acc + 4 * r);
+  });
+  const Fp8ByteTables tables = load_fp8_byte_tables();
+  auto add_keys = [&](int64_t c, const c10::Float8_e4m3fn* first,
+                      const c10::Float8_e4m3fn* second) C10_ALWAYS_INLINE_ATTRIBUTE {
+    const __m512i a = _mm512_loadu_si512(first + d0);
+    const __m512i b = second == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(second + d0);
+    __m512i pairs[4];
+    fp8_bf16_units_by_tables(_mm512_unpacklo_epi8(a, b), tables, pairs[0], pairs[1]);
+    fp8_bf16_units_by_tables(_mm512_unpackhi_epi8(a, b), tables, pairs[2], pairs[3]);
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      int32_t word;  // P[r, c] and P[r, c + 1]
+      std::memcpy(&word, p_bf16 + r * kKeyBlock + c, sizeof(word));
+      const __m512i weights = _mm512_set1_epi32(word);
+      unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * 4 + j] = add_bf16_pair_dots(acc[r * 4 + j], pairs[j], weights);
+      });
+    });
+  };
+  for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
+  unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+    transpose_lanes_4x4(acc + 4 * r);
+    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      acc[r * 4 + j].store(o + r * ld_o + d0 + 16 * j);
+    });
+  });
+}
+#endif
+
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows (p_tile [kRows, kKeyBlock]), reading
 // the tile's value rows in place (score_tile requested them), a group of rows and a slice of O at a
 // time. Where the value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`'
-// lines are requested spread over the pass.
+// lines are requested spread over the pass. Given p_bf16 (an fp8 cache, kFp8TablePairs: P as
+// round_probabilities_to_bf16 left it), each whole 64 columns go by bf16 pairs
+// (accumulate_value_slice_fp8_pairs), up to 5 rows at a time (their accumulators, the tables
+// and a pair's four vectors fit the registers; more go as two groups, each converting the codes).
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o,
-                       const SweepRequests<scalar_t>& next_keys) {
+                       const SweepRequests<scalar_t>& next_keys,
+                       [[maybe_unused]] const c10::BFloat16* p_bf16 = nullptr) {
   using Traits = PagedKernelTraits<scalar_t>;
   constexpr int kGroupRows = Traits::value_group_rows(kRows);
   constexpr int kVectors = Traits::value_vectors(kGroupRows);
   constexpr int kGroups = ceil_div(kRows, kGroupRows);
   constexpr bool kRequestAhead = Traits::value_pass_requests_keys(kRows);
   const int64_t slice_width = kVectors * at::vec::Vectorized<acc_t>::size();
-  const int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
-  auto slice = [&](auto kFull, auto kFp8Tables, int64_t d0) C10_ALWAYS_INLINE_ATTRIBUTE {
-    unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
-      constexpr int r0 = group * kGroupRows;
-      accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull, kRequestAhead,
-                             kFp8Tables>(
-          p_tile + r0 * kKeyBlock, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o, next_keys,
-          next_keys.share(d0 / slice_width * kGroups + group, sweeps));
-    });
-  };
-  int64_t d0 = 0;
+  int64_t sweeps = ceil_div(dim, slice_width) * kGroups;
+  auto slice = [&](auto kFull, auto kFp8Tables, int64_t d0, int64_t first_sweep)
+                   C10_ALWAYS_INLINE_ATTRIBUTE {
+                     unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+                       constexpr int r0 = group * kGroupRows;
+                       accumulate_value_slice<std::min(kGroupRows, kRows - r0), kVectors, kFull,
+                                              kRequestAhead, kFp8Tables>(
+                           p_tile + r0 * kKeyBlock, value_rows, cols, dim, d0, o + r0 * ld_o, ld_o,
+                           next_keys, next_keys.share(first_sweep + group, sweeps));
+                     });
+                   };
+  int64_t d0 = 0, sweep = 0;
 #if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (Traits::kFp8ByTables) {
+    if (p_bf16 != nullptr) {
+      constexpr int kPairRows = kRows <= 5 ? kRows : ceil_div(kRows, 2);
+      constexpr int kPairGroups = ceil_div(kRows, kPairRows);
+      sweeps = dim / 64 * kPairGroups + (dim % 64 != 0 ? kGroups : 0);
+      for (; d0 + 64 <= dim; d0 += 64) {
+        unrolled<kPairGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+          constexpr int r0 = group * kPairRows;
+          accumulate_value_slice_fp8_pairs<std::min(kPairRows, kRows - r0), kRequestAhead>(
+              p_bf16 + r0 * kKeyBlock, value_rows, cols, d0, o + r0 * ld_o, ld_o, next_keys,
+              next_keys.share(sweep + group, sweeps));
+        });
+        sweep += kPairGroups;
+      }
+    }
+  }
   if constexpr (Traits::value_by_fp8_tables(kGroupRows)) {
     if (fp8_by_tables()) {
-      for (; d0 + slice_width <= dim; d0 += slice_width)
-        slice(std::true_type{}, std::true_type{}, d0);
+      for (; d0 + slice_width <= dim; d0 += slice_width, sweep += kGroups)
+        slice(std::true_type{}, std::true_type{}, d0, sweep);
     }
   }
 #endif
-  for (; d0 + slice_width <= dim; d0 += slice_width) slice(std::true_type{}, std::false_type{}, d0);
-  if (d0 < dim) slice(std::false_type{}, std::false_type{}, d0);
+  for (; d0 + slice_width <= dim; d0 += slice_width, sweep += kGroups)
+    slice(std::true_type{}, std::false_type{}, d0, sweep);
+  if (d0 < dim) slice(std::false_type{}, std::false_type{}, d0, sweep);
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -1400,38 +1516,16 @@ inline bool quantize_probabilities(const float* s_tile, int64_t rows, int64_t co
   return true;
 }
 
-// The int16 value pass's walk over a tile's keys in pairs: add_keys(c, value_rows[c],
-// value_rows[c + 1]) for c = 0, 2, ..., and an odd last key with nullptr for its partner (whose
-// weight is then 0). With kRequestAhead, bytes `share` of ahead's rows c and c + 1 are
-// requested first.
-template <bool kRequestAhead, typename AddKeys>
-C10_ALWAYS_INLINE void for_each_key_pair(const int8_t* const* value_rows, int64_t cols,
-                                         const SweepRequests<int8_t>& ahead,
-                                         std::pair<int64_t, int64_t> share, AddKeys&& add_keys) {
-  int64_t c = 0;
-  for (; c + 2 <= cols; c += 2) {
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-      if (c + 1 < ahead.count) request_bytes(ahead.rows[c + 1], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], value_rows[c + 1]);
-  }
-  if (c < cols) {  // an odd last key: its pair's second weight is 0
-    if constexpr (kRequestAhead) {
-      if (c < ahead.count) request_bytes(ahead.rows[c], share.first, share.second);
-    }
-    add_keys(c, value_rows[c], nullptr);
-  }
-}
-
 #if defined(CPU_CAPABILITY_AVX512)
 // accumulate_value_slice for PagedKernelTraits::kInt16Dots: O[r] += row_step[r] sum over c <
 // cols of P_int16[r, c] v_c on O's columns [d0, d0 + kVectors x 16), by VPDPWSSD over pairs of
-// keys. A pair's two value rows are widened to int16 and interleaved column by column (two
-// widenings and two permutes per 32 columns), so that each int32 lane, one column, takes
-// P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of P's row. The int32 sums
-// (at most 64 keys x 32767 x 128 < 2^28) join O in fp32 once per slice. kFull as in
-// accumulate_value_slice; kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
+// keys. A pair's two value rows are interleaved byte by byte and widened to int16 (two unpacks
+// of 32 bytes and two widenings per 32 columns), so that each int32 lane, one column, takes
+// P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of P's row. The unpacks work
+// within 128-bit lanes: of 32 columns, the first vector takes 0-7 and 16-23, the second 8-15
+// and 24-31, put back in order once per slice. The int32 sums (at most 64 keys x 32767 x 128
+// < 2^28) join O in fp32 once per slice. kFull as in accumulate_value_slice; kRequestAhead: at
+// keys c, c + 1, bytes `share` of ahead's rows.
 template <int kRows, int kVectors, bool kFull, bool kRequestAhead>
 C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, const float* row_step,
                                                     const int8_t* const* value_rows, int64_t cols,
@@ -1443,19 +1537,6 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
   __mmask32 columns[kChunks];  // valid columns of each 32
   for (int h = 0; h < kChunks; ++h)
     columns[h] = kFull ? ~__mmask32(0) : lanes_below<__mmask32>(dim - d0 - 32 * h);
-  // Word i of a pair vector: column i (first) or 16 + i (second) of both rows.
-  static constexpr auto kInterleave = [] {
-    std::array<int16_t, 64> order{};
-    for (int i = 0; i < 16; ++i) {
-      order[2 * i] = static_cast<int16_t>(i);
-      order[2 * i + 1] = static_cast<int16_t>(32 + i);
-      order[32 + 2 * i] = static_cast<int16_t>(16 + i);
-      order[32 + 2 * i + 1] = static_cast<int16_t>(48 + i);
-    }
-    return order;
-  }();
-  const __m512i first_half = _mm512_loadu_si512(kInterleave.data());
-  const __m512i second_half = _mm512_loadu_si512(kInterleave.data() + 32);
   __m512i acc[kRows * kVectors];  // acc[r * kVectors + j]
   unrolled<kRows * kVectors>([&](auto i)
                                  C10_ALWAYS_INLINE_ATTRIBUTE { acc[i] = _mm512_setzero_si512(); });
@@ -1463,14 +1544,12 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
                       const int8_t* second) C10_ALWAYS_INLINE_ATTRIBUTE {
     __m512i pairs[kVectors];
     unrolled<kChunks>([&](auto h) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const __m512i a =
-          _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns[h], first + d0 + 32 * h));
-      const __m512i b =
-          second == nullptr
-              ? _mm512_setzero_si512()
-              : _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns[h], second + d0 + 32 * h));
-      pairs[2 * h] = _mm512_permutex2var_epi16(a, first_half, b);
-      pairs[2 * h + 1] = _mm512_permutex2var_epi16(a, second_half, b);
+      const __m256i a = _mm256_maskz_loadu_epi8(columns[h], first + d0 + 32 * h);
+      const __m256i b = second == nullptr
+                            ? _mm256_setzero_si256()
+                            : _mm256_maskz_loadu_epi8(columns[h], second + d0 + 32 * h);
+      pairs[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+      pairs[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
     });
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
       int32_t word;  // P[r, c] and P[r, c + 1]
@@ -1482,14 +1561,21 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
     });
   };
   for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
-  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
-    constexpr int r = i / kVectors, j = i % kVectors;
-    const __mmask16 lanes = kFull ? __mmask16(0xFFFF) : lanes_below<__mmask16>(dim - d0 - 16 * j);
-    float* out = o + r * ld_o + d0 + 16 * j;
-    const __m512 sum = _mm512_cvtepi32_ps(acc[i]);
-    _mm512_mask_storeu_ps(
-        out, lanes,
-        _mm512_fmadd_ps(sum, _mm512_set1_ps(row_step[r]), _mm512_maskz_loadu_ps(lanes, out)));
+  unrolled<kRows * kChunks>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kChunks, h = i % kChunks;
+    const __m512i& low = acc[r * kVectors + 2 * h];       // columns 0-7, 16-23 of the 32
+    const __m512i& high = acc[r * kVectors + 2 * h + 1];  // 8-15, 24-31
+    const __m512i in_order[2] = {_mm512_shuffle_i32x4(low, high, 0x44),
+                                 _mm512_shuffle_i32x4(low, high, 0xEE)};
+    unrolled<2>([&](auto half) C10_ALWAYS_INLINE_ATTRIBUTE {
+      constexpr int j = 2 * h + half;
+      const __mmask16 lanes = kFull ? __mmask16(0xFFFF) : lanes_below<__mmask16>(dim - d0 - 16 * j);
+      float* out = o + r * ld_o + d0 + 16 * j;
+      const __m512 sum = _mm512_cvtepi32_ps(in_order[half]);
+      _mm512_mask_storeu_ps(
+          out, lanes,
+          _mm512_fmadd_ps(sum, _mm512_set1_ps(row_step[r]), _mm512_maskz_loadu_ps(lanes, out)));
+    });
   });
 }
 
@@ -1686,15 +1772,16 @@ PagedCallPlan plan_paged_call(const PagedAttentionParams& p, const PagedTaskPlan
 template <typename scalar_t, typename acc_t>
 struct PagedScratch {
   const PagedCallPlan& plan;
-  acc_t* head_states;   // [heads_per_task, head_state_size]
-  acc_t* kt_tile;       // [head_dim, kKeyBlock]
-  acc_t* v_tile;        // [kKeyBlock, ld_dv]
-  acc_t* s_tile;        // [tile_rows, kKeyBlock]
-  acc_t* staging;       // [kKeyBlock, head_dim]
-  acc_t* k_row_scales;  // [kKeyBlock]: an int8 cache's scales of the item's key rows
-  acc_t* v_row_scales;  // [kKeyBlock]: and of its value rows
-  int16_t* p_int16;     // [tile_rows, kKeyBlock]: P quantized for kInt16Dots
-  acc_t* p_row_step;    // [tile_rows]: and the step of each of its rows
+  acc_t* head_states;     // [heads_per_task, head_state_size]
+  acc_t* kt_tile;         // [head_dim, kKeyBlock]
+  acc_t* v_tile;          // [kKeyBlock, ld_dv]
+  acc_t* s_tile;          // [tile_rows, kKeyBlock]
+  acc_t* staging;         // [kKeyBlock, head_dim]
+  acc_t* k_row_scales;    // [kKeyBlock]: an int8 cache's scales of the item's key rows
+  acc_t* v_row_scales;    // [kKeyBlock]: and of its value rows
+  int16_t* p_int16;       // [tile_rows, kKeyBlock]: P quantized for kInt16Dots
+  c10::BFloat16* p_bf16;  // [tile_rows, kKeyBlock], the same memory: P in bf16 (kFp8TablePairs)
+  acc_t* p_row_step;      // [tile_rows]: and the step of each of its rows
 
   PagedScratch(const PagedCallPlan& call, int64_t head_dim)
       : plan(call),
@@ -1706,6 +1793,7 @@ struct PagedScratch {
         k_row_scales(staging + kKeyBlock * head_dim),
         v_row_scales(k_row_scales + kKeyBlock),
         p_int16(reinterpret_cast<int16_t*>(v_row_scales + kKeyBlock)),
+        p_bf16(reinterpret_cast<c10::BFloat16*>(p_int16)),
         p_row_step(v_row_scales + kKeyBlock + call.tile_rows * kKeyBlock / 2) {}
 
   // The state of the task's i-th kv head.
@@ -2105,11 +2193,20 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
     }
   }
 #endif
+  const c10::BFloat16* p_bf16 = nullptr;  // P in bf16 for the fp8 value pass by bf16 pairs
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (PagedKernelTraits<scalar_t>::kFp8ByTables) {
+    if (dots == DirectDots::kFp8TablePairs) {
+      round_probabilities_to_bf16(scratch.s_tile, task.rows, cols, scratch.p_bf16);
+      p_bf16 = scratch.p_bf16;
+    }
+  }
+#endif
   if (task.direct) {
     // O += P V, the cached value rows read in place.
     dispatch_direct_rows(task.rows, [&](auto kRows) {
       accumulate_values<kRows>(scratch.s_tile, values.rows, cols, p.head_dim_v, state.o, ld_dv,
-                               next_keys);
+                               next_keys, p_bf16);
     });
   } else {
     gather_tile_rows(values, cols, p.head_dim_v, scratch.v_tile, ld_dv);
