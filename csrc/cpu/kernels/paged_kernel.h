@@ -619,33 +619,45 @@ C10_ALWAYS_INLINE at::vec::Vectorized<acc_t> load_cached(const cache_t* src, int
   }
 }
 
+// Calls visit(location, i, in_block) for each run of positions [first, first + count) of a
+// sequence that share a block: positions first + i .. first + i + in_block - 1, the first at
+// `location`. The block table is looked up once per block, and only the first position is
+// located by a 64-bit division (block_size is known only at run time): dividing per row, four
+// times per key row with the prefetch, was a large part of decode's time per key.
+template <typename Visit>
+C10_ALWAYS_INLINE void for_each_block_run(const int32_t* block_table, int64_t block_size,
+                                          int64_t first, int64_t count, Visit&& visit) {
+  int64_t table_index = first / block_size, offset = first % block_size;
+  for (int64_t i = 0; i < count; ++table_index, offset = 0) {
+    const int64_t in_block = std::min(block_size - offset, count - i);
+    visit(CacheSlot{block_table[table_index], offset}, i, in_block);
+    i += in_block;
+  }
+}
+
 // The cache rows of positions [first, first + count) of a sequence, for one kv head: rows[i]
-// holds position first + i. The block table is looked up once per block, not per row: the
-// 64-bit divisions that locate a position (block_size is known only at run time), four per
-// key row with the prefetch, were a large part of decode's time per key.
+// holds position first + i.
 template <typename scalar_t>
 void cache_rows(const scalar_t* cache, const CacheStrides& strides, const int32_t* block_table,
                 int64_t block_size, int64_t kv_head, int64_t first, int64_t count,
                 const scalar_t** rows) {
-  for (int64_t i = 0; i < count;) {
-    const CacheSlot location = position_location(block_table, first + i, block_size);
-    const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
-    const int64_t in_block = std::min(block_size - location.offset, count - i);
-    for (int64_t j = 0; j < in_block; ++j, ++i) rows[i] = row + j * strides.offset;
-  }
+  for_each_block_run(block_table, block_size, first, count,
+                     [&](CacheSlot location, int64_t i, int64_t in_block) {
+                       const scalar_t* row = cache + cache_row_offset(strides, location, kv_head);
+                       for (int64_t j = 0; j < in_block; ++j)
+                         rows[i + j] = row + j * strides.offset;
+                     });
 }
 
-// scales[i] = the int8 scale of position first + i of kv head `kv_head`, for i < count,
-// located block by block like cache_rows.
+// scales[i] = the int8 scale of position first + i of kv head `kv_head`, for i < count.
 template <typename acc_t>
 void cache_row_scales(const QuantScales& quant, const int32_t* block_table, int64_t block_size,
                       int64_t kv_head, int64_t first, int64_t count, acc_t* scales) {
-  for (int64_t i = 0; i < count;) {
-    const CacheSlot location = position_location(block_table, first + i, block_size);
-    const float* row = quant.per_row + cache_row_offset(quant.strides, location, kv_head);
-    const int64_t in_block = std::min(block_size - location.offset, count - i);
-    for (int64_t j = 0; j < in_block; ++j, ++i) scales[i] = row[j * quant.strides.offset];
-  }
+  for_each_block_run(
+      block_table, block_size, first, count, [&](CacheSlot location, int64_t i, int64_t in_block) {
+        const float* row = quant.per_row + cache_row_offset(quant.strides, location, kv_head);
+        for (int64_t j = 0; j < in_block; ++j) scales[i + j] = row[j * quant.strides.offset];
+      });
 }
 
 // tile[r * ld + c] *= column_scales[c] for r < rows, c < cols.
@@ -700,17 +712,15 @@ void prefetch_row(const scalar_t* row, int64_t dim, int64_t first = 0) {
 // scale's line otherwise.
 inline void request_row_scales(const QuantScales& quant, const int32_t* block_table,
                                int64_t block_size, int64_t kv_head, int64_t first, int64_t count) {
-  for (int64_t i = 0; i < count;) {
-    const CacheSlot location = position_location(block_table, first + i, block_size);
-    const float* row = quant.per_row + cache_row_offset(quant.strides, location, kv_head);
-    const int64_t in_block = std::min(block_size - location.offset, count - i);
-    if (quant.strides.offset == 1) {
-      request_bytes(row, 0, in_block * static_cast<int64_t>(sizeof(float)));
-    } else {
-      for (int64_t j = 0; j < in_block; ++j) request_line(row + j * quant.strides.offset);
-    }
-    i += in_block;
-  }
+  for_each_block_run(
+      block_table, block_size, first, count, [&](CacheSlot location, int64_t, int64_t in_block) {
+        const float* row = quant.per_row + cache_row_offset(quant.strides, location, kv_head);
+        if (quant.strides.offset == 1) {
+          request_bytes(row, 0, in_block * static_cast<int64_t>(sizeof(float)));
+        } else {
+          for (int64_t j = 0; j < in_block; ++j) request_line(row + j * quant.strides.offset);
+        }
+      });
 }
 
 // One key tile of one kv head: keys [key0, key0 + cols); cols 0 marks the end of a task. A
