@@ -1360,50 +1360,82 @@ inline void round_probabilities_to_bf16(const float* s_tile, int64_t rows, int64
   }
 }
 
+// (x, y) -> (x's 128-bit lanes 0, y's 0, x's 2, y's 2; x's 1, y's 1, x's 3, y's 3): its own
+// inverse.
+C10_ALWAYS_INLINE void interleave_lanes_2x2(at::vec::Vectorized<float>& x,
+                                            at::vec::Vectorized<float>& y) {
+  const __m512 even = _mm512_shuffle_f32x4(x, y, 0x88);  // x0 x2 y0 y2
+  const __m512 odd = _mm512_shuffle_f32x4(x, y, 0xDD);   // x1 x3 y1 y3
+  x = _mm512_shuffle_f32x4(even, even, 0xD8);
+  y = _mm512_shuffle_f32x4(odd, odd, 0xD8);
+}
+
 // accumulate_value_slice for an fp8 cache whose scores took bf16 dots (kFp8TablePairs): O[r] +=
-// sum over c < cols of P_bf16[r, c] v_c on O's columns [d0, d0 + 64), by VDPBF16PS over pairs
-// of keys. A pair's two rows of codes are interleaved byte by byte (two unpacks per 64
-// columns) before the byte tables convert them (fp8_bf16_units_by_tables), so that each fp32
-// lane, one column, takes P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of
-// P's row: half the multiplies of the fp32 FMAs over the units, each product exact, with P in
-// bf16 as GPU FlashAttention's P V product takes it. Vector j's 128-bit lane k holds columns
-// 16k + 4j + [0, 4), the order of fp8_float_units_by_tables, which O's slice takes while in
-// registers. kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
-template <int kRows, bool kRequestAhead>
+// sum over c < cols of P_bf16[r, c] v_c on O's columns [d0, d0 + 16 kVectors), by VDPBF16PS
+// over pairs of keys. A pair's two rows of codes are interleaved byte by byte (two unpacks)
+// before the byte tables convert them (fp8_bf16_units_by_tables), so that each fp32 lane, one
+// column, takes P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from one broadcast word of P's row: half
+// the multiplies of the fp32 FMAs over the units, each product exact, with P in bf16 as GPU
+// FlashAttention's P V product takes it. The columns come out of order, which O's slice takes
+// while in registers: with 4 vectors (64 columns), vector j's 128-bit lane k holds columns
+// 16k + 4j + [0, 4) (fp8_float_units_by_tables' order); with 2 (32 columns, for 6 to 8 rows,
+// whose accumulators leave room for no more), the codes go through the tables as two 256-bit
+// unpacks side by side and vector j's lane k holds columns (0, 16, 8, 24)[k] + 4j + [0, 4)
+// (interleave_lanes_2x2). kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
+template <int kRows, int kVectors, bool kRequestAhead>
 C10_ALWAYS_INLINE void accumulate_value_slice_fp8_pairs(
     const c10::BFloat16* p_bf16, const c10::Float8_e4m3fn* const* value_rows, int64_t cols,
     int64_t d0, float* o, int64_t ld_o, const SweepRequests<c10::Float8_e4m3fn>& ahead,
     std::pair<int64_t, int64_t> share) {
+  static_assert(kVectors == 4 || kVectors == 2, "slices of 64 or 32 columns");
   using Vec = at::vec::Vectorized<float>;
-  Vec acc[kRows * 4];  // acc[r * 4 + j]
+  auto reorder = [](Vec* slice) C10_ALWAYS_INLINE_ATTRIBUTE {  // O's order <-> the pairs'
+    if constexpr (kVectors == 4) {
+      transpose_lanes_4x4(slice);
+    } else {
+      interleave_lanes_2x2(slice[0], slice[1]);
+    }
+  };
+  Vec acc[kRows * kVectors];  // acc[r * kVectors + j]
   unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-      acc[r * 4 + j] = Vec::loadu(o + r * ld_o + d0 + 16 * j);
+    unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      acc[r * kVectors + j] = Vec::loadu(o + r * ld_o + d0 + 16 * j);
     });
-    transpose_lanes_4x4(acc + 4 * r);
+    reorder(acc + kVectors * r);
   });
   const Fp8ByteTables tables = load_fp8_byte_tables();
   auto add_keys = [&](int64_t c, const c10::Float8_e4m3fn* first,
                       const c10::Float8_e4m3fn* second) C10_ALWAYS_INLINE_ATTRIBUTE {
-    const __m512i a = _mm512_loadu_si512(first + d0);
-    const __m512i b = second == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(second + d0);
-    __m512i pairs[4];
-    fp8_bf16_units_by_tables(_mm512_unpacklo_epi8(a, b), tables, pairs[0], pairs[1]);
-    fp8_bf16_units_by_tables(_mm512_unpackhi_epi8(a, b), tables, pairs[2], pairs[3]);
+    __m512i pairs[kVectors];
+    if constexpr (kVectors == 4) {
+      const __m512i a = _mm512_loadu_si512(first + d0);
+      const __m512i b =
+          second == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(second + d0);
+      fp8_bf16_units_by_tables(_mm512_unpacklo_epi8(a, b), tables, pairs[0], pairs[1]);
+      fp8_bf16_units_by_tables(_mm512_unpackhi_epi8(a, b), tables, pairs[2], pairs[3]);
+    } else {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + d0));
+      const __m256i b = second == nullptr
+                            ? _mm256_setzero_si256()
+                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + d0));
+      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(a, b)),
+                                               _mm256_unpackhi_epi8(a, b), 1);
+      fp8_bf16_units_by_tables(codes, tables, pairs[0], pairs[1]);
+    }
     unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
       int32_t word;  // P[r, c] and P[r, c + 1]
       std::memcpy(&word, p_bf16 + r * kKeyBlock + c, sizeof(word));
       const __m512i weights = _mm512_set1_epi32(word);
-      unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        acc[r * 4 + j] = add_bf16_pair_dots(acc[r * 4 + j], pairs[j], weights);
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * kVectors + j] = add_bf16_pair_dots(acc[r * kVectors + j], pairs[j], weights);
       });
     });
   };
   for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
   unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-    transpose_lanes_4x4(acc + 4 * r);
-    unrolled<4>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-      acc[r * 4 + j].store(o + r * ld_o + d0 + 16 * j);
+    reorder(acc + kVectors * r);
+    unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+      acc[r * kVectors + j].store(o + r * ld_o + d0 + 16 * j);
     });
   });
 }
@@ -1413,9 +1445,10 @@ C10_ALWAYS_INLINE void accumulate_value_slice_fp8_pairs(
 // the tile's value rows in place (score_tile requested them), a group of rows and a slice of O at a
 // time. Where the value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`'
 // lines are requested spread over the pass. Given p_bf16 (an fp8 cache, kFp8TablePairs: P as
-// round_probabilities_to_bf16 left it), each whole 64 columns go by bf16 pairs
-// (accumulate_value_slice_fp8_pairs), up to 5 rows at a time (their accumulators, the tables
-// and a pair's four vectors fit the registers; more go as two groups, each converting the codes).
+// round_probabilities_to_bf16 left it), each whole slice of columns goes by bf16 pairs
+// (accumulate_value_slice_fp8_pairs), all rows at once: slices of 64 columns for up to 5 rows,
+// whose accumulators, the tables and a pair's four vectors fit the registers, and of 32 for
+// 6 to 8.
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o,
@@ -1442,17 +1475,12 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (Traits::kFp8ByTables) {
     if (p_bf16 != nullptr) {
-      constexpr int kPairRows = kRows <= 5 ? kRows : ceil_div(kRows, 2);
-      constexpr int kPairGroups = ceil_div(kRows, kPairRows);
-      sweeps = dim / 64 * kPairGroups + (dim % 64 != 0 ? kGroups : 0);
-      for (; d0 + 64 <= dim; d0 += 64) {
-        unrolled<kPairGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
-          constexpr int r0 = group * kPairRows;
-          accumulate_value_slice_fp8_pairs<std::min(kPairRows, kRows - r0), kRequestAhead>(
-              p_bf16 + r0 * kKeyBlock, value_rows, cols, d0, o + r0 * ld_o, ld_o, next_keys,
-              next_keys.share(sweep + group, sweeps));
-        });
-        sweep += kPairGroups;
+      constexpr int kPairVectors = kRows <= 5 ? 4 : 2;
+      constexpr int64_t kPairColumns = 16 * kPairVectors;
+      sweeps = dim / kPairColumns + (dim % kPairColumns != 0 ? kGroups : 0);
+      for (; d0 + kPairColumns <= dim; d0 += kPairColumns, ++sweep) {
+        accumulate_value_slice_fp8_pairs<kRows, kPairVectors, kRequestAhead>(
+            p_bf16, value_rows, cols, d0, o, ld_o, next_keys, next_keys.share(sweep, sweeps));
       }
     }
   }
