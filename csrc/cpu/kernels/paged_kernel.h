@@ -192,8 +192,15 @@ struct PagedKernelTraits {
   // instruction takes 32 elements of a key for a row, where widening them to fp32 takes two
   // conversions per 16 and then two FMAs per row, and the products are as exact (a bf16
   // product fits fp32). On Zen 5, one core, cache in L3: 32q/8kv 20.7 -> 32.5 GB/s, 64q/8kv
-  // 13.2 -> 17.2. The value pass keeps fp32 weights: dot products there would round P to
-  // bf16. AVX-512 class, at the avx512_bf16 level only (bf16_dots in paged_attention_kernel):
+  // 13.2 -> 17.2. The value pass takes P rounded to bf16, as GPU FlashAttention's P V product
+  // does, and two keys' rows as bf16 pairs for VDPBF16PS (accumulate_value_slice_bf16_pairs),
+  // where fp32 weights took an FMA per row for each 16 elements of every key: on Zen 4, one
+  // thread from L2 (8 sequences, context 512), builds alternated three times, 32q/8kv
+  // 21.3-22.2 -> 16.6-17.7 ns per key and kv head, 64q/8kv 41.5-43.9 -> 30.6-31.6. The error
+  // against float64 (benchmarks/kv_cache_accuracy.py, its bf16 rows, bf16 q and output)
+  // went 0.52 -> 0.54% and 0.48 -> 0.50% on normal K/V, 1.30 -> 1.31% and 1.02 -> 1.01% with
+  // outlier key channels: the bf16 output's own rounding dominates it. AVX-512 class, at the
+  // avx512_bf16 level only (bf16_dots in paged_attention_kernel):
   // on the Xeons with AMX (the avx512_amx level) VDPBF16PS runs at a quarter of the FMA's
   // instruction rate (the peak probes: 145 against 300 GFLOP/s on two cores, model 207), and
   // the FMAs decoded faster from memory: the suite's bf16 cases on two cores, alternating
@@ -1439,6 +1446,55 @@ C10_ALWAYS_INLINE void accumulate_value_slice_fp8_pairs(
     });
   });
 }
+
+// accumulate_value_slice for a bf16 cache whose scores took bf16 dots (kBf16Pairs): O[r] +=
+// sum over c < cols of P_bf16[r, c] v_c on O's columns [d0, d0 + 16 kVectors), whole groups of
+// 32 columns in widen_bf16_pairs' order (even columns, then odd), by VDPBF16PS over pairs of
+// keys. A key pair's rows are interleaved by a shift and a blend per vector, each 32-bit lane
+// taking one column of both keys (the even columns' lanes the low halves of the rows' words,
+// the odd columns' the high halves), so that it takes P[r, c] v_c[d] + P[r, c + 1] v_c+1[d] from
+// one broadcast word of P's row: half the multiplies of the fp32 FMAs, each product exact.
+// kRequestAhead: at keys c, c + 1, bytes `share` of ahead's rows.
+template <int kRows, int kVectors, bool kRequestAhead>
+C10_ALWAYS_INLINE void accumulate_value_slice_bf16_pairs(const c10::BFloat16* p_bf16,
+                                                         const c10::BFloat16* const* value_rows,
+                                                         int64_t cols, int64_t d0, float* o,
+                                                         int64_t ld_o,
+                                                         const SweepRequests<c10::BFloat16>& ahead,
+                                                         std::pair<int64_t, int64_t> share) {
+  static_assert(kVectors % 2 == 0, "whole groups of 32 columns");
+  using Vec = at::vec::Vectorized<float>;
+  constexpr __mmask32 kHighHalves = 0xAAAAAAAA;
+  Vec acc[kRows * kVectors];  // acc[r * kVectors + j]
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    acc[i] = Vec::loadu(o + r * ld_o + d0 + 16 * j);
+  });
+  auto add_keys = [&](int64_t c, const c10::BFloat16* first,
+                      const c10::BFloat16* second) C10_ALWAYS_INLINE_ATTRIBUTE {
+    __m512i pairs[kVectors];
+    unrolled<kVectors / 2>([&](auto g) C10_ALWAYS_INLINE_ATTRIBUTE {
+      const __m512i a = _mm512_loadu_si512(first + d0 + 32 * g);
+      const __m512i b =
+          second == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(second + d0 + 32 * g);
+      pairs[2 * g] = _mm512_mask_blend_epi16(kHighHalves, a, _mm512_slli_epi32(b, 16));
+      pairs[2 * g + 1] = _mm512_mask_blend_epi16(kHighHalves, _mm512_srli_epi32(a, 16), b);
+    });
+    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
+      int32_t word;  // P[r, c] and P[r, c + 1]
+      std::memcpy(&word, p_bf16 + r * kKeyBlock + c, sizeof(word));
+      const __m512i weights = _mm512_set1_epi32(word);
+      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
+        acc[r * kVectors + j] = add_bf16_pair_dots(acc[r * kVectors + j], pairs[j], weights);
+      });
+    });
+  };
+  for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
+  unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int r = i / kVectors, j = i % kVectors;
+    acc[i].store(o + r * ld_o + d0 + 16 * j);
+  });
+}
 #endif
 
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows (p_tile [kRows, kKeyBlock]), reading
@@ -1481,6 +1537,19 @@ void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, i
       for (; d0 + kPairColumns <= dim; d0 += kPairColumns, ++sweep) {
         accumulate_value_slice_fp8_pairs<kRows, kPairVectors, kRequestAhead>(
             p_bf16, value_rows, cols, d0, o, ld_o, next_keys, next_keys.share(sweep, sweeps));
+      }
+    }
+  }
+  if constexpr (Traits::kScoreByBf16Dots) {  // a bf16 cache
+    if (p_bf16 != nullptr) {
+      for (; d0 + slice_width <= dim; d0 += slice_width, sweep += kGroups) {
+        unrolled<kGroups>([&](auto group) C10_ALWAYS_INLINE_ATTRIBUTE {
+          constexpr int r0 = group * kGroupRows;
+          accumulate_value_slice_bf16_pairs<std::min(kGroupRows, kRows - r0), kVectors,
+                                            kRequestAhead>(p_bf16 + r0 * kKeyBlock, value_rows,
+                                                           cols, d0, o + r0 * ld_o, ld_o, next_keys,
+                                                           next_keys.share(sweep + group, sweeps));
+        });
       }
     }
   }
@@ -2259,10 +2328,12 @@ void value_pass(const PagedAttentionParams& p, const PagedTask& task, const Work
     }
   }
 #endif
-  const c10::BFloat16* p_bf16 = nullptr;  // P in bf16 for the fp8 value pass by bf16 pairs
+  const c10::BFloat16* p_bf16 = nullptr;  // P in bf16 for the value passes by bf16 pairs
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (PagedKernelTraits<scalar_t>::kFp8ByTables) {
-    if (dots == DirectDots::kFp8TablePairs) {
+  using Traits = PagedKernelTraits<scalar_t>;
+  if constexpr (Traits::kFp8ByTables || Traits::kScoreByBf16Dots) {
+    if ((Traits::kFp8ByTables && dots == DirectDots::kFp8TablePairs) ||
+        (Traits::kScoreByBf16Dots && dots == DirectDots::kBf16Pairs)) {
       round_probabilities_to_bf16(scratch.s_tile, task.rows, cols, scratch.p_bf16);
       p_bf16 = scratch.p_bf16;
     }
