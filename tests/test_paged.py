@@ -187,14 +187,16 @@ def test_paged_attention_dtypes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [36, 40, 48, 128])
+@pytest.mark.parametrize("head_dim", [36, 40, 48, 96, 128])
 def test_every_row_count_of_the_direct_path(dtype, head_dim):
     # Chunks of 1..9 queries of one head each: tiles of 1 to 8 rows read K/V straight from
     # the cache (one kernel per row count; on AVX2 the value pass weights fp32 rows past 4 as
     # a second group), 9 rows go through gathered tiles. Head dim 36 ends in a part vector on
     # every ISA; a bf16 cache is widened two vectors at a time (16 elements on AVX2, 32 on
     # AVX-512) where whole groups of that many remain, and head dim 48 ends in an O slice that
-    # holds one whole group and a part (AVX2: 32 elements for 1 or 2 rows; AVX-512: 64).
+    # holds one whole group and a part (AVX2: 32 elements for 1 or 2 rows; AVX-512: 64). With
+    # AVX512-BF16 a bf16 cache's whole O slices take bf16 pairs and the rest fp32 weights:
+    # head dim 96 is one slice of 64 and 32 columns over for up to 6 rows.
     queries = list(range(1, 10))
     check_against_reference([q + 70 for q in queries], queries, 2, 2, head_dim, 16, dtype)
 

@@ -1357,8 +1357,8 @@ C10_ALWAYS_INLINE void for_each_key_pair(const scalar_t* const* value_rows, int6
 
 #if defined(CPU_CAPABILITY_AVX512)
 // P's rows (s_tile [rows, kKeyBlock]) rounded to bf16, nearest even (p_bf16 [rows, kKeyBlock]),
-// for accumulate_value_slice_fp8_pairs: each row's [0, cols) and, for an odd cols, a zero
-// after them, the odd last key's partner weight.
+// for the value passes by bf16 pairs: each row's [0, cols) and, for an odd cols, a zero after
+// them, the odd last key's partner weight.
 inline void round_probabilities_to_bf16(const float* s_tile, int64_t rows, int64_t cols,
                                         c10::BFloat16* p_bf16) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -1500,11 +1500,12 @@ C10_ALWAYS_INLINE void accumulate_value_slice_bf16_pairs(const c10::BFloat16* p_
 // O[r] += sum over c < cols of P[r, c] v_c for r < kRows (p_tile [kRows, kKeyBlock]), reading
 // the tile's value rows in place (score_tile requested them), a group of rows and a slice of O at a
 // time. Where the value pass requests the next tile's keys (value_pass_requests_keys), `next_keys`'
-// lines are requested spread over the pass. Given p_bf16 (an fp8 cache, kFp8TablePairs: P as
-// round_probabilities_to_bf16 left it), each whole slice of columns goes by bf16 pairs
-// (accumulate_value_slice_fp8_pairs), all rows at once: slices of 64 columns for up to 5 rows,
-// whose accumulators, the tables and a pair's four vectors fit the registers, and of 32 for
-// 6 to 8.
+// lines are requested spread over the pass. Given p_bf16 (P as round_probabilities_to_bf16
+// left it, for an fp8 cache's kFp8TablePairs or a bf16 cache's kBf16Pairs), each whole slice
+// of columns goes by bf16 pairs, the columns past them by fp32 weights: an fp8 cache's
+// (accumulate_value_slice_fp8_pairs) all rows at once, in slices of 64 columns for up to 5
+// rows, whose accumulators, the tables and a pair's four vectors fit the registers, and of 32
+// for 6 to 8; a bf16 cache's (accumulate_value_slice_bf16_pairs) in the fp32 weights' slices.
 template <int kRows, typename scalar_t, typename acc_t>
 void accumulate_values(const acc_t* p_tile, const scalar_t* const* value_rows, int64_t cols,
                        int64_t dim, acc_t* o, int64_t ld_o,
