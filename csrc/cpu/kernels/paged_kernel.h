@@ -1355,25 +1355,33 @@ C10_ALWAYS_INLINE void for_each_key_pair(const scalar_t* const* value_rows, int6
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // The products of one key pair in the pairwise value passes: acc[r * kVectors + j] =
 // add_dots(acc[r * kVectors + j], pairs[j], weights of row r) for r < kRows, the weights
-// P[r, c] and P[r, c + 1] (16-bit, p_rows [kRows, kKeyBlock]) broadcast as one word.
-template <int kRows, int kVectors, typename acc_t, typename weight_t, typename AddDots>
-C10_ALWAYS_INLINE void add_key_pair_products(acc_t* acc, const __m512i (&pairs)[kVectors],
+// P[r, c] and P[r, c + 1] (16-bit, p_rows [kRows, kKeyBlock]) broadcast as one word to every
+// 32-bit lane of pair_t (__m512i on AVX-512, __m256i on AVX2).
+template <int kRows, int kVectors, typename acc_t, typename pair_t, typename weight_t,
+          typename AddDots>
+C10_ALWAYS_INLINE void add_key_pair_products(acc_t* acc, const pair_t (&pairs)[kVectors],
                                              const weight_t* p_rows, int64_t c,
                                              AddDots&& add_dots) {
   static_assert(sizeof(weight_t) == 2, "two weights to a 32-bit word");
   unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
     int32_t word;  // P[r, c] and P[r, c + 1]
     std::memcpy(&word, p_rows + r * kKeyBlock + c, sizeof(word));
-    const __m512i weights = _mm512_set1_epi32(word);
+#if defined(CPU_CAPABILITY_AVX512)
+    const pair_t weights = _mm512_set1_epi32(word);
+#else
+    const pair_t weights = _mm256_set1_epi32(word);
+#endif
     unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
       acc[r * kVectors + j] = add_dots(acc[r * kVectors + j], pairs[j], weights);
     });
   });
 }
+#endif
 
+#if defined(CPU_CAPABILITY_AVX512)
 // P's rows (s_tile [rows, kKeyBlock]) rounded to bf16, nearest even (p_bf16 [rows, kKeyBlock]),
 // for the value passes by bf16 pairs: each row's [0, cols) and, for an odd cols, a zero after
 // them, the odd last key's partner weight.
@@ -1745,14 +1753,10 @@ C10_ALWAYS_INLINE void accumulate_value_slice_int16(const int16_t* p_int16, cons
         pairs[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));
       });
     }
-    unrolled<kRows>([&](auto r) C10_ALWAYS_INLINE_ATTRIBUTE {
-      int32_t word;  // P[r, c] and P[r, c + 1]
-      std::memcpy(&word, p_int16 + r * kKeyBlock + c, sizeof(word));
-      const __m256i weights = _mm256_set1_epi32(word);
-      unrolled<kVectors>([&](auto j) C10_ALWAYS_INLINE_ATTRIBUTE {
-        acc[r * kVectors + j] = add_int16_pair_dots(acc[r * kVectors + j], pairs[j], weights);
-      });
-    });
+    add_key_pair_products<kRows>(acc, pairs, p_int16, c,
+                                 [](__m256i sum, __m256i a, __m256i b) C10_ALWAYS_INLINE_ATTRIBUTE {
+                                   return add_int16_pair_dots(sum, a, b);
+                                 });
   };
   for_each_key_pair<kRequestAhead>(value_rows, cols, ahead, share, add_keys);
   unrolled<kRows * kVectors>([&](auto i) C10_ALWAYS_INLINE_ATTRIBUTE {
